@@ -1,0 +1,141 @@
+"""Preprocessing configuration and the unit of work every layer passes around.
+
+`ProcessorConfig` holds what a checkpoint's `preprocessor_config.json` (and
+`video_preprocessor_config.json`) say about turning media into patches. `VisualInput` is one
+preprocessed image or video: raw uint8 patches in the reference row order plus its grid. The
+tower normalises on the device (rescale, then mean/std), so the host ships a quarter of the bytes
+and the graph path normalises exactly like the eager one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+Modality = Literal["image", "video"]
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """Video sampling and per-frame pixel bounds (qwen-vl-utils / transformers video processors)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 768 * 28 * 28
+    total_pixels: int = 24576 * 28 * 28
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """Everything preprocessing needs from a checkpoint; defaults are Qwen2-VL's."""
+
+    family: str = "qwen2_vl"
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    in_channels: int = 3
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video: VideoConfig = field(default_factory=VideoConfig)
+
+    @property
+    def factor(self) -> int:
+        """Side lengths are resized to multiples of this (one merged token's edge in pixels)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    def with_pixel_bounds(self, min_pixels: int | None, max_pixels: int | None) -> ProcessorConfig:
+        return replace(
+            self,
+            min_pixels=self.min_pixels if min_pixels is None else min_pixels,
+            max_pixels=self.max_pixels if max_pixels is None else max_pixels,
+        )
+
+    def normalize(self, patches: np.ndarray) -> np.ndarray:
+        """Reference normalisation on the host (the device path does the same in float32)."""
+        x = patches.astype(np.float32) * np.float32(self.rescale_factor)
+        mean, std = self.channel_vectors()
+        return (x - mean) / std
+
+    def channel_vectors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Mean and std laid out along one patch row (C, T, P, P)."""
+        per_channel = self.temporal_patch_size * self.patch_size**2
+        mean = np.repeat(np.asarray(self.image_mean, np.float32), per_channel)
+        std = np.repeat(np.asarray(self.image_std, np.float32), per_channel)
+        return mean, std
+
+    @classmethod
+    def from_dicts(
+        cls, family: str, image: dict[str, Any], video: dict[str, Any] | None = None
+    ) -> ProcessorConfig:
+        size = image.get("size") or {}
+        min_pixels = image.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels
+        max_pixels = image.get("max_pixels") or size.get("longest_edge") or cls.max_pixels
+        video_cfg = VideoConfig()
+        if video:
+            vsize = video.get("size") or {}
+            video_cfg = VideoConfig(
+                fps=float(video.get("fps", video_cfg.fps)),
+                min_frames=int(video.get("min_frames", video_cfg.min_frames)),
+                max_frames=int(video.get("max_frames", video_cfg.max_frames)),
+                min_pixels=int(video.get("min_pixels") or vsize.get("shortest_edge") or video_cfg.min_pixels),
+                max_pixels=int(video.get("max_pixels") or vsize.get("longest_edge") or video_cfg.max_pixels),
+                total_pixels=int(video.get("total_pixels", video_cfg.total_pixels)),
+            )
+        return cls(
+            family=family,
+            patch_size=int(image.get("patch_size", 14)),
+            temporal_patch_size=int(image.get("temporal_patch_size", 2)),
+            merge_size=int(image.get("merge_size", 2)),
+            image_mean=tuple(image.get("image_mean", OPENAI_CLIP_MEAN)),
+            image_std=tuple(image.get("image_std", OPENAI_CLIP_STD)),
+            rescale_factor=float(image.get("rescale_factor", 1 / 255)),
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            video=video_cfg,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, family: str) -> ProcessorConfig:
+        folder = Path(folder)
+        image = json.loads((folder / "preprocessor_config.json").read_text())
+        video_path = folder / "video_preprocessor_config.json"
+        video = json.loads(video_path.read_text()) if video_path.exists() else None
+        return cls.from_dicts(family, image, video)
+
+
+@dataclass
+class VisualInput:
+    """One preprocessed image or video.
+
+    pixels: uint8 [t*h*w, C*T*P*P] in the reference processor's row order (merge blocks
+    contiguous), not yet rescaled or normalised. grid_thw: (t, h, w) in patches.
+    """
+
+    modality: Modality
+    pixels: np.ndarray
+    grid_thw: tuple[int, int, int]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+    def num_tokens(self, merge_size: int) -> int:
+        return self.num_patches // (merge_size * merge_size)
