@@ -1,0 +1,138 @@
+"""Building blocks shared by the Qwen-VL towers.
+
+Parameter names follow the released checkpoints (after the `visual.` prefix) so a state dict loads
+as is. Every forward is shape-static and sync-free: see models/protocol.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import packed_attention
+
+
+class PatchEmbed(nn.Module):
+    """The checkpoint's Conv3d whose kernel equals its stride: one matrix product per patch row."""
+
+    def __init__(self, in_dim: tuple[int, int, int, int], embed_dim: int, bias: bool) -> None:
+        super().__init__()
+        self.proj = nn.Conv3d(in_dim[0], embed_dim, kernel_size=in_dim[1:], stride=in_dim[1:], bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported vision activation {name!r}; known: {sorted(ACTIVATIONS)}") from None
+
+
+class Rotary2D(nn.Module):
+    """Axial rotary embedding: half the rotated dims follow the row, half the column."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        quarter = self.head_dim // 2
+        return 1.0 / (self.theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter))
+
+    def reset(self) -> None:
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos: [P, 2] integer (row, col) -> cos, sin: [P, head_dim] float32."""
+        freqs = (pos.float()[..., None] * self.inv_freq).flatten(1)  # [P, 2 * quarter/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [P, H, D]; rotation in float32 as the reference does, cast back."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, backend: str) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim)
+        self.backend = backend
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = packed_attention(self.backend, q, k, v, cu_seqlens, max_seqlen)
+        return self.proj(out.reshape(n, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; the families differ only in their norm and MLP modules."""
+
+    def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: Attention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen)
+        return x + self.mlp(self.norm2(x))
+
+
+class Normalize(nn.Module):
+    """uint8 patch rows -> rescaled, mean/std-normalised float32 rows (the processor's last steps)."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor, rescale: float) -> None:
+        super().__init__()
+        self._mean, self._std = mean.float().clone(), std.float().clone()
+        self.register_buffer("mean", self._mean.clone(), persistent=False)
+        self.register_buffer("std", self._std.clone(), persistent=False)
+        self.rescale = rescale
+
+    def reset(self) -> None:
+        self.mean = self._mean.to(self.mean.device)
+        self.std = self._std.to(self.std.device)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        if not pixels.dtype == torch.uint8:
+            return pixels  # already normalised (reference inputs, benchmarks)
+        return (pixels.float() * self.rescale - self.mean) / self.std

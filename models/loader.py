@@ -1,0 +1,176 @@
+"""Build a tower from a local Hugging Face checkpoint folder or a built-in preset.
+
+Only the vision tensors are read, lazily through `safe_open`, from one file or from the shards a
+`model.safetensors.index.json` names. Both key layouts are accepted: `visual.*` (Qwen2-VL and
+Qwen2.5-VL releases) and `model.visual.*` (Qwen3-VL releases and transformers 5 `save_pretrained`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.attention import resolve_backend
+from models.config import ProcessorConfig
+from models.presets import PRESETS, Preset
+from models.qwen2_5_vl import Qwen2_5VisionTower
+from models.qwen2_vl import Qwen2VisionTower
+from models.qwen3_vl import Qwen3VisionTower
+from models.tower import QwenTower
+
+log = logging.getLogger("vitserve.models")
+
+FAMILIES: dict[str, type[QwenTower]] = {
+    "qwen2_vl": Qwen2VisionTower,
+    "qwen2_5_vl": Qwen2_5VisionTower,
+    "qwen3_vl": Qwen3VisionTower,
+}
+VISION_PREFIXES = ("model.visual.", "visual.")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be served, with every reason found."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}") from None
+
+
+def build_tower(family: str, vision_config: Any, processor: ProcessorConfig, backend: str) -> QwenTower:
+    """An uninitialised tower on the meta device (no memory), ready for `to_empty`."""
+    if family not in FAMILIES:
+        raise CheckpointError(f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+    with torch.device("meta"):
+        return FAMILIES[family](vision_config, processor, backend)
+
+
+def load_tower(
+    model: str, device: str = "auto", dtype: str = "auto", attention: str = "auto", seed: int = 0
+) -> QwenTower:
+    """`model`: a checkpoint folder or a preset name (see models/presets.py)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    backend = resolve_backend(attention, dev)
+    if model in PRESETS:
+        tower = _random_tower(model, PRESETS[model], dev, dt, backend, seed)
+    else:
+        tower = _checkpoint_tower(Path(model), dev, dt, backend)
+    tower.name = model
+    return tower.eval().requires_grad_(False)
+
+
+def _random_tower(name: str, preset: Preset, dev: torch.device, dt: torch.dtype, backend: str, seed: int):
+    from models.presets import full_config
+
+    cfg = full_config(preset)
+    processor = ProcessorConfig.from_dicts(preset.family, preset.preprocessor, preset.video_preprocessor)
+    tower = build_tower(preset.family, cfg.vision_config, processor, backend)
+    tower.to_empty(device=dev)
+    init_random(tower, seed)
+    tower.to(dt)
+    tower.reset_buffers()
+    log.warning("model %s has RANDOM weights (seed %d): its embeddings are meaningless", name, seed)
+    return tower
+
+
+@torch.no_grad()
+def init_random(module: nn.Module, seed: int) -> None:
+    """Seeded weights on the CPU (identical on every device), then copied in place."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            value = torch.randn(p.shape, generator=gen) * 0.02
+        elif p.dim() == 1:  # norm scales
+            value = 1 + torch.randn(p.shape, generator=gen) * 0.02
+        else:
+            value = torch.randn(p.shape, generator=gen) * 0.02
+        p.copy_(value)
+
+
+def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend: str) -> QwenTower:
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder}: not a preset name ({', '.join(PRESETS)}) nor a folder with config.json")
+    cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    family = cfg.model_type
+    if not (folder / "preprocessor_config.json").is_file():
+        raise CheckpointError(f"{folder}: preprocessor_config.json is missing")
+    processor = ProcessorConfig.from_folder(folder, family)
+    tower = build_tower(family, cfg.vision_config, processor, backend)
+    tensors = read_vision_tensors(folder)
+    tower.to_empty(device=dev).to(dt)
+    load_state(tower, tensors, folder)  # copies, converting to the serving dtype
+    tower.reset_buffers()
+    log.info("loaded %s vision tower from %s (%d tensors)", family, folder, len(tensors))
+    return tower
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted({f for k, f in weight_map.items() if k.startswith(VISION_PREFIXES)})
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise CheckpointError(f"{folder}: no safetensors weights found" + (f" (missing {missing})" if missing else ""))
+    return files
+
+
+def read_vision_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Vision tensors keyed without their prefix, read lazily (text weights are never loaded)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                for prefix in VISION_PREFIXES:
+                    if key.startswith(prefix):
+                        out[key[len(prefix) :]] = f.get_tensor(key)
+                        break
+    return out
+
+
+def load_state(tower: QwenTower, tensors: dict[str, torch.Tensor], source: Path | str) -> None:
+    expected = {k: tuple(v.shape) for k, v in tower.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    shapes = sorted(
+        f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {expected[k]}"
+        for k in set(expected) & set(tensors)
+        if tuple(tensors[k].shape) != expected[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {', '.join(missing[:20])}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:20])}")
+    if shapes:
+        problems.append(f"mis-shaped {len(shapes)}: {'; '.join(shapes[:20])}")
+    if problems:
+        raise CheckpointError(f"{source}: vision weights do not match the config ({' | '.join(problems)})")
+    tower.load_state_dict(tensors)

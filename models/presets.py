@@ -1,0 +1,89 @@
+"""Built-in models that need no download.
+
+`random:*` are the released vision configs at full size with seeded random weights (benchmarks);
+`tiny-*` are small configs for tests and the embedded default. Their weights are random: the
+embeddings mean nothing, and the loader says so loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+QWEN2_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 12845056}
+QWEN3_PRE = {
+    "patch_size": 16,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+}
+QWEN3_VIDEO_PRE = {**QWEN3_PRE, "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2}
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str  # transformers model_type of the full model
+    vision: dict[str, Any]  # vision_config kwargs
+    preprocessor: dict[str, Any]
+    video_preprocessor: dict[str, Any] | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    "random:qwen2-vl-7b": Preset(
+        "qwen2_vl",
+        dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, num_heads=16, patch_size=14,
+             spatial_merge_size=2, temporal_patch_size=2),
+        QWEN2_PRE,
+    ),
+    "random:qwen2.5-vl-7b": Preset(
+        "qwen2_5_vl",
+        dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, num_heads=16,
+             patch_size=14, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+        QWEN2_PRE,
+    ),
+    "random:qwen3-vl-8b": Preset(
+        "qwen3_vl",
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096, num_heads=16,
+             patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
+        QWEN3_PRE,
+        QWEN3_VIDEO_PRE,
+    ),
+    "tiny-qwen2-vl": Preset(
+        "qwen2_vl",
+        dict(depth=2, embed_dim=64, hidden_size=96, mlp_ratio=2, num_heads=4, patch_size=14),
+        {**QWEN2_PRE, "max_pixels": 1003520},
+    ),
+    "tiny-qwen2.5-vl": Preset(
+        "qwen2_5_vl",
+        dict(depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=14,
+             window_size=112, fullatt_block_indexes=[1], hidden_act="silu"),
+        {**QWEN2_PRE, "max_pixels": 1003520},
+    ),
+    "tiny-qwen3-vl": Preset(
+        "qwen3_vl",
+        dict(depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=16,
+             num_position_embeddings=64, deepstack_visual_indexes=[0, 2]),
+        {**QWEN3_PRE, "size": {"shortest_edge": 65536, "longest_edge": 1048576}},
+        {**QWEN3_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 4194304}},
+    ),
+}
+
+DEFAULT_MODEL = "tiny-qwen2-vl"
+
+
+def full_config(preset: Preset):
+    """A transformers config of the whole model (with a tiny text part) holding the vision config."""
+    from transformers import AutoConfig
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, bos_token_id=None, eos_token_id=None)
+    if preset.family == "qwen3_vl":
+        text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [2, 3, 3]})
+    else:
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    return AutoConfig.for_model(
+        preset.family, vision_config=preset.vision, text_config=text, bos_token_id=None, eos_token_id=None
+    )

@@ -1,0 +1,71 @@
+"""The contract between a vision tower and the graph pool.
+
+A tower is two halves. `build_metadata` runs on the CPU from `grid_thw` alone (numpy, no torch
+device work) and lays every per-batch quantity out at a fixed `Capacity`. `forward` runs on the
+device over tensors of exactly those shapes and never reads a value back to the host, so the same
+call can be captured once into a CUDA graph and replayed for any batch that fits the capacity.
+Eager execution is the same forward at a capacity that fits the batch exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from models.config import ProcessorConfig
+
+Grid = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Static shapes of one forward: what a captured graph is specialised on.
+
+    patches: rows of pixel input (a multiple of merge_size**2); segments: attention sequences
+    (one per temporal patch of each item); windows: Qwen2.5-VL window sequences (0 elsewhere).
+    max_seqlen / max_window_seqlen: bounds handed to the attention kernel at capture time.
+    """
+
+    patches: int
+    segments: int
+    windows: int = 0
+    max_seqlen: int = 0
+    max_window_seqlen: int = 0
+
+    def fits(self, need: Capacity) -> bool:
+        return (
+            need.patches <= self.patches
+            and need.segments <= self.segments
+            and need.windows <= self.windows
+            and need.max_seqlen <= self.max_seqlen
+            and need.max_window_seqlen <= self.max_window_seqlen
+        )
+
+
+@dataclass
+class TowerOutput:
+    """Merged tokens [tokens, out_hidden] in item order, and DeepStack features (Qwen3-VL)."""
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
+class VisionTower(Protocol):
+    """What `graphs/` needs from a model family."""
+
+    processor: ProcessorConfig
+    out_hidden_size: int
+    num_deepstack: int
+
+    @property
+    def merge_unit(self) -> int: ...
+
+    def required_capacity(self, grids: Sequence[Grid]) -> Capacity: ...
+
+    def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]: ...
+
+    def forward(self, pixels: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput: ...

@@ -1,0 +1,118 @@
+"""Qwen2.5-VL vision tower: RMSNorm blocks with a SwiGLU MLP and window attention.
+
+Patches are reordered once after the patch embedding so that each window of
+`window_size` pixels is contiguous; all layers but `fullatt_block_indexes` attend within windows,
+the rest within whole frames (frames stay contiguous under the reorder). The merged tokens are put
+back in the original order at the end. Both permutations are metadata, built on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.config import ProcessorConfig
+from models.layers import Attention, Block, RMSNorm, activation
+from models.metadata import padded_cumsum
+from models.protocol import Capacity, Grid, TowerOutput
+from models.qwen2_vl import Merger
+from models.tower import QwenTower
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2_5VisionTower(QwenTower):
+    family = "qwen2_5_vl"
+
+    def __init__(self, vision_config: Any, processor: ProcessorConfig, backend: str) -> None:
+        dim = vision_config.hidden_size
+        super().__init__(vision_config, processor, backend, dim)
+        self.blocks = nn.ModuleList(
+            Block(
+                RMSNorm(dim),
+                RMSNorm(dim),
+                Attention(dim, self.heads, backend),
+                GatedMlp(dim, vision_config.intermediate_size, vision_config.hidden_act),
+            )
+            for _ in range(vision_config.depth)
+        )
+        self.merger = Merger(dim, vision_config.out_hidden_size, self.merge_unit, RMSNorm(dim))
+        self.full_attention = frozenset(vision_config.fullatt_block_indexes)
+        # Window edge in merged tokens (112 px / 14 px / 2 = 4 for the released configs).
+        self.window = vision_config.window_size // self.merge // vision_config.patch_size
+
+    @property
+    def out_hidden_size(self) -> int:
+        return self.config.out_hidden_size
+
+    # ---- CPU half -------------------------------------------------------------------------
+    def _windows(self, grids: Sequence[Grid]) -> tuple[np.ndarray, np.ndarray]:
+        """Merge-group permutation putting each window together, and the window lengths in patches."""
+        order, lengths, offset = [], [], 0
+        ws = self.window
+        for t, h, w in grids:
+            gh, gw = h // self.merge, w // self.merge
+            nh, nw = -(-gh // ws), -(-gw // ws)
+            grid = np.full((t, nh * ws, nw * ws), -1, dtype=np.int64)
+            grid[:, :gh, :gw] = np.arange(t * gh * gw).reshape(t, gh, gw) + offset
+            tiles = grid.reshape(t, nh, ws, nw, ws).transpose(0, 1, 3, 2, 4).reshape(t * nh * nw, ws * ws)
+            counts = (tiles >= 0).sum(1)
+            flat = tiles.reshape(-1)
+            order.append(flat[flat >= 0])
+            lengths.append(counts[counts > 0] * self.merge_unit)
+            offset += t * gh * gw
+        return np.concatenate(order), np.concatenate(lengths)
+
+    def required_capacity(self, grids: Sequence[Grid]) -> Capacity:
+        base = super().required_capacity(grids)
+        _, lengths = self._windows(grids)
+        return Capacity(
+            patches=base.patches,
+            segments=base.segments,
+            windows=len(lengths),
+            max_seqlen=base.max_seqlen,
+            max_window_seqlen=int(lengths.max()) if len(lengths) else 0,
+        )
+
+    def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
+        meta = super().build_metadata(grids, cap)
+        order, lengths = self._windows(grids)
+        groups = cap.patches // self.merge_unit
+        window_index = np.arange(groups, dtype=np.int64)  # padding groups stay where they are
+        window_index[: len(order)] = order
+        reverse_index = np.empty_like(window_index)
+        reverse_index[window_index] = np.arange(groups)
+        pos = meta["pos_ids"].reshape(groups, self.merge_unit, 2)[window_index].reshape(-1, 2)
+        meta.update(
+            pos_ids=np.ascontiguousarray(pos),
+            window_index=window_index,
+            reverse_index=reverse_index,
+            cu_window_seqlens=padded_cumsum(lengths, cap.windows),
+        )
+        return meta
+
+    # ---- device half ----------------------------------------------------------------------
+    def _encode(self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
+        n, unit = x.shape[0], self.merge_unit
+        x = x.view(n // unit, unit, -1)[meta["window_index"]].view(n, -1)
+        cos, sin = self.rotary(meta["pos_ids"])
+        for i, blk in enumerate(self.blocks):
+            if i in self.full_attention:
+                x = blk(x, cos, sin, meta["cu_seqlens"], cap.max_seqlen)
+            else:
+                x = blk(x, cos, sin, meta["cu_window_seqlens"], cap.max_window_seqlen)
+        return TowerOutput(self.merger(x)[meta["reverse_index"]], [])

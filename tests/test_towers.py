@@ -1,0 +1,195 @@
+"""Our towers against transformers' vision models loaded from the same safetensors (fp32, CPU)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import CheckpointError, load_tower
+from models.loader import build_tower
+from models.presets import PRESETS, full_config
+from tests.checkpoints import write_checkpoint
+
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+# Sizes chosen to cover odd window tilings (Qwen2.5-VL), non-square grids, videos (t > 1) and
+# grids larger and smaller than Qwen3-VL's 8x8 position table.
+GRIDS = [(1, 8, 12), (1, 16, 8), (2, 4, 4), (1, 2, 2), (1, 20, 36), (3, 10, 6)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param.replace(".", "_"))
+    reference = write_checkpoint(request.param, folder)
+    return request.param, folder, reference
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run_ours(tower, grids, pixels):
+    cap = tower.required_capacity(grids)
+    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+    with torch.no_grad():
+        return tower(pixels, meta, cap)
+
+
+def run_reference(model, tower, grids, pixels):
+    x = torch.from_numpy(tower.processor.normalize(pixels.numpy()))
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=x, image_grid_thw=torch.tensor(grids))
+    embeds = torch.cat(out.pooler_output)
+    deepstack = [torch.cat(f) for f in (getattr(out, "deepstack_features", None) or [])]
+    return embeds, deepstack
+
+
+def random_pixels(tower, grids, seed=0):
+    n = sum(t * h * w for t, h, w in grids)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, tower.processor.patch_dim), dtype=torch.uint8, generator=gen)
+
+
+def test_parity_with_transformers(checkpoint):
+    name, folder, reference = checkpoint
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    for seed, grids in enumerate([GRIDS, GRIDS[:1], GRIDS[::-1]]):
+        pixels = random_pixels(tower, grids, seed)
+        ours = run_ours(tower, grids, pixels)
+        embeds, deepstack = run_reference(reference, tower, grids, pixels)
+        assert ours.embeds.shape == embeds.shape
+        assert rel_err(ours.embeds, embeds) <= 1e-5
+        expected_layers = len(PRESETS[name].vision.get("deepstack_visual_indexes", []))
+        assert len(ours.deepstack) == len(deepstack) == expected_layers
+        for a, b in zip(ours.deepstack, deepstack):
+            assert rel_err(a, b) <= 1e-5
+
+
+def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
+    """The graph path runs at a fixed capacity: padded rows and empty segments must not leak."""
+    _, folder, _ = checkpoint
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    grids = GRIDS[:3]
+    pixels = random_pixels(tower, grids)
+    exact = run_ours(tower, grids, pixels)
+    need = tower.required_capacity(grids)
+    cap = type(need)(
+        patches=need.patches + 64 * tower.merge_unit,
+        segments=need.segments + 5,
+        windows=need.windows + 7 if need.windows else 0,
+        max_seqlen=need.max_seqlen * 2,
+        max_window_seqlen=need.max_window_seqlen * 2,
+    )
+    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
+    padded[: len(pixels)] = pixels
+    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+    with torch.no_grad():
+        out = tower(padded, meta, cap)
+    tokens = exact.embeds.shape[0]
+    assert torch.equal(out.embeds[:tokens], exact.embeds) or rel_err(out.embeds[:tokens], exact.embeds) < 1e-6
+
+
+def test_legacy_visual_keys_and_shards(checkpoint, tmp_path):
+    """Qwen2/2.5-VL releases store `visual.*`; large checkpoints are sharded with an index."""
+    name, folder, reference = checkpoint
+    legacy = tmp_path / "legacy"
+    shutil.copytree(folder, legacy)
+    state = load_file(str(legacy / "model.safetensors"))
+    renamed = {swap_layout(k): v for k, v in state.items()}
+    assert set(renamed) != set(state)
+    save_file(renamed, str(legacy / "model.safetensors"), metadata={"format": "pt"})
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    write_checkpoint(name, sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+
+    base = load_tower(str(folder), device="cpu", dtype="float32")
+    pixels = random_pixels(base, GRIDS)
+    expected = run_ours(base, GRIDS, pixels).embeds
+    for other in (legacy, sharded):
+        tower = load_tower(str(other), device="cpu", dtype="float32")
+        assert torch.equal(run_ours(tower, GRIDS, pixels).embeds, expected)
+
+
+def swap_layout(key: str) -> str:
+    """`model.visual.x` <-> `visual.x`: whichever layout transformers wrote, test the other one."""
+    if key.startswith("model.visual."):
+        return key[len("model.") :]
+    if key.startswith("visual."):
+        return "model." + key
+    return key
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_reported_together(tmp_path):
+    folder = tmp_path / "bad"
+    write_checkpoint("tiny-qwen2-vl", folder)
+    state = load_file(str(folder / "model.safetensors"))
+    prefix = "visual." if "visual.merger.mlp.0.bias" in state else "model.visual."
+    state.pop(prefix + "blocks.0.attn.qkv.weight")
+    state[prefix + "blocks.0.extra.weight"] = torch.zeros(3)
+    state[prefix + "merger.mlp.0.bias"] = torch.zeros(7)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        load_tower(str(folder), device="cpu")
+    msg = str(err.value)
+    assert "missing 1: blocks.0.attn.qkv.weight" in msg
+    assert "unexpected 1: blocks.0.extra.weight" in msg
+    assert "mis-shaped 1: merger.mlp.0.bias" in msg
+
+
+def test_folder_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="not a preset name"):
+        load_tower(str(tmp_path / "nowhere"), device="cpu")
+    folder = tmp_path / "noweights"
+    write_checkpoint("tiny-qwen2-vl", folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no safetensors"):
+        load_tower(str(folder), device="cpu")
+    (folder / "preprocessor_config.json").unlink()
+    with pytest.raises(CheckpointError, match="preprocessor_config.json"):
+        load_tower(str(folder), device="cpu")
+    with pytest.raises(CheckpointError, match="unsupported model_type"):
+        build_tower("llava", None, None, "sdpa")
+
+
+@pytest.mark.parametrize("preset", ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b"])
+def test_full_size_parameter_counts_match_transformers(preset):
+    import transformers
+
+    from models.config import ProcessorConfig
+    from tests.checkpoints import CLASSES
+
+    p = PRESETS[preset]
+    cfg = full_config(p)
+    processor = ProcessorConfig.from_dicts(p.family, p.preprocessor)
+    ours = build_tower(p.family, cfg.vision_config, processor, "sdpa")
+    with torch.device("meta"):
+        ref = getattr(transformers, CLASSES[p.family])._from_config(cfg).model.visual
+    count = lambda m: sum(x.numel() for x in m.parameters())  # noqa: E731
+    assert count(ours) == count(ref)
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in ref.state_dict().items()
+    }
+    assert count(ours) > 400e6
+
+
+def test_metadata_is_host_only_and_padded(checkpoint):
+    _, folder, _ = checkpoint
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    need = tower.required_capacity(GRIDS)
+    cap = type(need)(need.patches + 16, need.segments + 3, need.windows + 2 if need.windows else 0,
+                     need.max_seqlen, need.max_window_seqlen)
+    meta = tower.build_metadata(GRIDS, cap)
+    assert all(isinstance(v, np.ndarray) for v in meta.values())
+    cu = meta["cu_seqlens"]
+    assert cu.shape == (cap.segments + 1,) and cu[-1] == need.patches and (np.diff(cu) >= 0).all()
+    if "window_index" in meta:
+        assert sorted(meta["window_index"]) == list(range(cap.patches // tower.merge_unit))
+    with pytest.raises(ValueError, match="capacity"):
+        tower.build_metadata(GRIDS, type(need)(need.patches, need.segments - 1, need.windows,
+                                               need.max_seqlen, need.max_window_seqlen))
