@@ -75,6 +75,8 @@ class Qwen2_5VisionTower(QwenTower):
             order.append(flat[flat >= 0])
             lengths.append(counts[counts > 0] * self.merge_unit)
             offset += t * gh * gw
+        if not order:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(order), np.concatenate(lengths)
 
     def required_capacity(self, grids: Sequence[Grid]) -> Capacity:

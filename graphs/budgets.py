@@ -1,0 +1,125 @@
+"""Token budgets and layout classes: the finite, start-up-known set of graph keys.
+
+A graph is keyed on (modality, budget, length class). The budget bounds the merged tokens of a
+batch. The length class L bounds its longest attention segment (a frame, in patches): the
+attention kernel's grid is sized by `max_seqlen` at capture, so a graph for L serves batches whose
+segments all lie in (L/2, L] and holds at most P / (L/2 + 1) of them, which keeps the kernel's work
+proportional to the budget whatever the image sizes. Never the exact boundaries: those are
+per-replay data in static buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.protocol import Capacity
+
+MIN_LENGTH_CLASS = 64  # patches: segments up to 64 patches (an 8x8-patch frame) share the lowest class
+MODALITIES = ("image", "video")
+
+
+class BudgetError(ValueError):
+    """Settings that cannot make a valid graph plan; the message says what to change."""
+
+
+def auto_budgets(max_batch_tokens: int, smallest: int = 64) -> list[int]:
+    """Powers of two from `smallest` up to the maximum, plus the maximum itself."""
+    budgets = []
+    b = smallest
+    while b < max_batch_tokens:
+        budgets.append(b)
+        b *= 2
+    budgets.append(max_batch_tokens)
+    return budgets
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    modality: str
+    budget: int  # merged tokens
+    length_class: int  # longest segment, patches
+
+    def __str__(self) -> str:
+        return f"{self.modality}/b{self.budget}/L{self.length_class}"
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    budgets: tuple[int, ...]
+    max_items: int
+    merge_unit: int  # patches per merged token
+    t_capture: int  # temporal patches per video slot
+    max_segment_patches: int  # the largest frame the preprocessing can produce
+    windows: bool = False  # Qwen2.5-VL window attention needs a window capacity
+    window_patches: int = 0  # patches in one full window (Qwen2.5-VL)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        max_batch_tokens: int = 16384,
+        budgets: list[int] | None = None,
+        max_items: int | None = None,
+        merge_unit: int = 4,
+        t_capture: int = 8,
+        max_segment_patches: int = 65536,
+        windows: bool = False,
+        window_patches: int = 0,
+    ) -> BudgetPlan:
+        if max_batch_tokens < 1:
+            raise BudgetError(f"--max-batch-tokens must be positive, got {max_batch_tokens}")
+        chosen = sorted(set(budgets)) if budgets else auto_budgets(max_batch_tokens, min(64, max_batch_tokens))
+        if chosen[0] < 1:
+            raise BudgetError(f"--budgets must be positive token counts, got {chosen}")
+        items = chosen[0] if max_items is None else max_items
+        if not 1 <= items <= chosen[0]:
+            raise BudgetError(f"--max-batch-items must be between 1 and the smallest budget ({chosen[0]}), got {items}")
+        if t_capture < 1:
+            raise BudgetError(f"--t-capture must be at least 1, got {t_capture}")
+        return cls(tuple(chosen), items, merge_unit, t_capture, max_segment_patches, windows, window_patches)
+
+    @property
+    def max_budget(self) -> int:
+        return self.budgets[-1]
+
+    def length_class(self, segment_patches: int) -> int:
+        L = MIN_LENGTH_CLASS
+        while L < segment_patches:
+            L *= 2
+        return L
+
+    def length_classes(self, budget: int) -> list[int]:
+        """Classes a budget can hold: up to its patches and the largest frame preprocessing makes."""
+        top = min(budget * self.merge_unit, self.max_segment_patches)
+        classes, L = [], MIN_LENGTH_CLASS
+        while True:
+            classes.append(L)
+            if L >= top:
+                return classes
+            L *= 2
+
+    def max_segments(self, modality: str) -> int:
+        return self.max_items * (self.t_capture if modality == "video" else 1)
+
+    def capacity(self, key: GraphKey) -> Capacity:
+        patches = key.budget * self.merge_unit
+        lower = 0 if key.length_class == MIN_LENGTH_CLASS else key.length_class // 2
+        min_segment = max(lower + 1, self.merge_unit)  # a frame is at least one merge block
+        segments = min(self.max_segments(key.modality), patches // min_segment)
+        windows = 0
+        if self.windows:
+            # A frame of n patches has at most n/16 + 1 windows (ceil(a/4)*ceil(b/4) <= ab/4 + 1
+            # in merged tokens), so this bound always holds and never forces a fallback.
+            windows = patches // 16 + segments
+        return Capacity(
+            patches=patches,
+            segments=segments,
+            windows=windows,
+            max_seqlen=min(key.length_class, patches),
+            max_window_seqlen=self.window_patches if self.windows else 0,
+        )
+
+    def keys(self, modalities: tuple[str, ...] = MODALITIES) -> list[GraphKey]:
+        """Every graph to capture, largest capacity first (so smaller ones reuse its memory)."""
+        keys = [GraphKey(m, b, L) for m in modalities for b in self.budgets for L in self.length_classes(b)]
+        return sorted(keys, key=lambda k: (-k.budget, -k.length_class, k.modality))

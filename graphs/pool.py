@@ -1,0 +1,153 @@
+"""The graph pool: one captured forward per graph key, replayed over refreshed static buffers.
+
+Replay pattern, for every batch:
+  1. build the batch's metadata on the CPU at the key's capacity (padding = empty segments);
+  2. copy pixels and every metadata array into the graph's static input buffers (pinned, async);
+  3. replay, then copy the item rows out of the static outputs before any other graph runs.
+All graphs share one memory pool, captured largest first, and one set of input buffers sized for
+the largest capacity (each graph reads a prefix view). Nothing a graph reads is reallocated after
+its capture. On the CPU there is no graph: "replay" re-runs the fixed-shape forward on the same
+static buffers, so the packing, refresh and padding logic is exercised everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from graphs.budgets import BudgetPlan, GraphKey
+from graphs.stats import PoolStats
+from models.protocol import Capacity, Grid, TowerOutput, VisionTower
+
+log = logging.getLogger("vitserve.graphs")
+
+
+@dataclass
+class CapturedGraph:
+    key: GraphKey
+    capacity: Capacity
+    inputs: dict[str, torch.Tensor]  # static views into the shared input buffers
+    outputs: TowerOutput  # static outputs (pool memory, overwritten by later replays)
+    graph: torch.cuda.CUDAGraph | None  # None on the CPU backend
+
+
+class GraphPool:
+    def __init__(self, tower: VisionTower, device: torch.device, plan: BudgetPlan, stats: PoolStats) -> None:
+        self.tower = tower
+        self.device = device
+        self.plan = plan
+        self.stats = stats
+        self.graphs: dict[GraphKey, CapturedGraph] = {}
+        self.failed: dict[GraphKey, str] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._mempool = None
+        self.fail_capture_for: set[GraphKey] = set()  # fault injection for tests
+
+    # ---- capture ------------------------------------------------------------------------
+    def capture(self, keys: list[GraphKey]) -> None:
+        start = time.perf_counter()
+        is_cuda = self.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
+        if is_cuda:
+            self._mempool = torch.cuda.graph_pool_handle()
+        keys = sorted(keys, key=lambda k: -self.plan.capacity(k).patches)
+        self._allocate_inputs([self.plan.capacity(k) for k in keys])
+        for key in keys:
+            cap = self.plan.capacity(key)
+            t0 = time.perf_counter()
+            try:
+                if key in self.fail_capture_for:
+                    raise RuntimeError("injected capture failure")
+                self.graphs[key] = self._capture_one(key, cap)
+                log.info("captured %s %s in %.3fs", key, cap, time.perf_counter() - t0)
+            except Exception as exc:  # a failed key is served eagerly, never fatal
+                self.failed[key] = f"{type(exc).__name__}: {exc}"
+                self.stats.capture_failures[str(key)] = self.failed[key]
+                log.error("capture of %s failed, it will run eagerly: %s", key, self.failed[key])
+                if is_cuda:
+                    torch.cuda.synchronize(self.device)
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+            self.stats.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        self.stats.captured = len(self.graphs)
+        self.stats.capture_seconds = time.perf_counter() - start
+        log.info(
+            "graph pool: %d graphs in %.1fs, %.1f MiB, %d failed",
+            len(self.graphs), self.stats.capture_seconds, self.stats.pool_bytes / 2**20, len(self.failed),
+        )
+
+    def _empty_inputs(self, cap: Capacity) -> dict[str, np.ndarray]:
+        pixels = np.zeros((cap.patches, self.tower.processor.patch_dim), np.uint8)
+        return {"pixels": pixels, **self.tower.build_metadata([], cap)}
+
+    def _allocate_inputs(self, caps: list[Capacity]) -> None:
+        """One device buffer per input name, as long as the longest any graph needs, before any capture."""
+        longest: dict[str, np.ndarray] = {}
+        for cap in caps:
+            for name, arr in self._empty_inputs(cap).items():
+                if name not in longest or arr.shape[0] > longest[name].shape[0]:
+                    longest[name] = arr
+        for name, arr in longest.items():
+            self._buffers[name] = torch.zeros(arr.shape, dtype=torch.from_numpy(arr).dtype, device=self.device)
+
+    def _input_views(self, cap: Capacity) -> dict[str, torch.Tensor]:
+        """Static inputs for a capacity: prefixes of the shared buffers, holding an empty batch."""
+        views = {}
+        for name, arr in self._empty_inputs(cap).items():
+            view = self._buffers[name][: arr.shape[0]]
+            view.copy_(torch.from_numpy(arr))
+            views[name] = view
+        return views
+
+    def _capture_one(self, key: GraphKey, cap: Capacity) -> CapturedGraph:
+        inputs = self._input_views(cap)
+        meta = {k: v for k, v in inputs.items() if k != "pixels"}
+        if self.device.type != "cuda":
+            return CapturedGraph(key, cap, inputs, TowerOutput(torch.empty(0), []), None)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            self.tower(inputs["pixels"], meta, cap)  # warm-up: lazy init and autotuning outside capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._mempool):
+            outputs = self.tower(inputs["pixels"], meta, cap)
+        return CapturedGraph(key, cap, inputs, outputs, graph)
+
+    # ---- replay -------------------------------------------------------------------------
+    def replay(self, key: GraphKey, pixels: np.ndarray | torch.Tensor, grids: list[Grid]) -> TowerOutput:
+        """Run one batch through its graph; returns fresh tensors of the batch's real tokens."""
+        g = self.graphs[key]
+        cap = g.capacity
+        meta = self.tower.build_metadata(grids, cap)
+        _upload(g.inputs["pixels"][: len(pixels)], pixels)
+        for name, arr in meta.items():
+            _upload(g.inputs[name], arr)
+        tokens = len(pixels) // self.tower.merge_unit
+        with torch.inference_mode():
+            if g.graph is None:
+                out = self.tower(g.inputs["pixels"], {k: v for k, v in g.inputs.items() if k != "pixels"}, cap)
+            else:
+                g.graph.replay()
+                out = g.outputs
+            # Copy out now: the next replay of any graph may reuse this memory.
+            result = TowerOutput(out.embeds[:tokens].clone(), [d[:tokens].clone() for d in out.deepstack])
+        self.stats.record_replay(str(key), len(grids))
+        return result
+
+
+def _upload(dst: torch.Tensor, arr: np.ndarray | torch.Tensor) -> None:
+    """Host array -> static device buffer, through pinned memory so the copy is asynchronous."""
+    if isinstance(arr, torch.Tensor):
+        dst.copy_(arr, non_blocking=True)
+        return
+    src = torch.from_numpy(np.ascontiguousarray(arr))
+    if dst.device.type == "cuda":
+        src = src.pin_memory()
+        dst.copy_(src, non_blocking=True)
+    else:
+        dst.copy_(src)

@@ -1,0 +1,49 @@
+"""Counters the pool keeps for the service's metrics and `vitserve encode --stats`."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PoolStats:
+    graph_items: int = 0  # items served by a replay
+    eager_items: Counter = field(default_factory=Counter)  # by reason
+    replays: Counter = field(default_factory=Counter)  # by graph key
+    eager_batches: int = 0
+    captured: int = 0
+    capture_failures: dict = field(default_factory=dict)  # key -> error
+    capture_seconds: float = 0.0
+    pool_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_replay(self, key: str, items: int) -> None:
+        with self._lock:
+            self.replays[key] += 1
+            self.graph_items += items
+
+    def record_eager(self, reason: str, items: int) -> None:
+        with self._lock:
+            self.eager_items[reason] += items
+            self.eager_batches += 1
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.graph_items + sum(self.eager_items.values())
+        return self.graph_items / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {
+                "graph_items": self.graph_items,
+                "eager_items": dict(self.eager_items),
+                "eager_batches": self.eager_batches,
+                "hit_rate": round(self.hit_rate, 4),
+                "replays": dict(self.replays),
+                "captured_graphs": self.captured,
+                "capture_failures": dict(self.capture_failures),
+                "capture_seconds": round(self.capture_seconds, 3),
+                "pool_bytes": self.pool_bytes,
+            }
