@@ -1,0 +1,274 @@
+"""`vitserve bench`: this engine (graphs on and off) against transformers' eager vision model, side by
+side in one process on one GPU, on the same random-weight preset and the same inputs, with the
+floor (the tower's matrix products and attention calls alone, replayed as one graph) and MFU
+against a bf16 matmul measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from graphs.runner import GraphRunner, plan_for
+from models import VisualInput, load_tower
+from models.presets import PRESETS, full_config
+
+log = logging.getLogger("vitserve.bench")
+DEFAULT_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b"]
+
+
+def workloads(patch: int, seed: int = 0) -> dict[str, list[tuple[int, int, int]]]:
+    """Grids (t, h, w) in patches for the workloads of the design notes, plus a seeded mix."""
+    even = lambda n: n - n % 2  # noqa: E731
+    big = (1, even(1344 // patch), even(756 // patch))
+    rng = np.random.default_rng(seed)
+    mix = [(1, 2 * int(rng.integers(4, 40)), 2 * int(rng.integers(4, 40))) for _ in range(24)]
+    return {
+        "1x448": [(1, even(448 // patch), even(448 // patch))],
+        "32x224": [(1, even(224 // patch), even(224 // patch))] * 32,
+        "128x224": [(1, even(224 // patch), even(224 // patch))] * 128,
+        "8x1344x756": [big] * 8,
+        "1x1344x756": [big],
+        "video16f448": [(8, even(448 // patch), even(448 // patch))],
+        "4xvideo32f336": [(16, even(336 // patch), even(336 // patch))] * 4,
+        "mix24": mix,
+    }
+
+
+def cuda_time(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of `fn` between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time(lambda: a @ b, 3, 20)
+    return 2 * 8192**3 / (ms / 1e3) / 1e12
+
+
+def tower_dims(tower) -> dict:
+    c = tower.config
+    hidden = tower.hidden
+    gated = tower.family == "qwen2_5_vl"
+    inter = int(hidden * c.mlp_ratio) if tower.family == "qwen2_vl" else c.intermediate_size
+    return dict(hidden=hidden, inter=inter, depth=c.depth, heads=tower.heads, gated=gated,
+                cin=tower.processor.patch_dim, out=tower.out_hidden_size, mergers=1 + tower.num_deepstack,
+                unit=tower.merge_unit, window=getattr(tower, "window", 0),
+                full=set(getattr(tower, "full_attention", range(c.depth))))
+
+
+def forward_flops(d: dict, grids) -> float:
+    """Matrix-product FLOPs of one forward (attention per frame, windows for Qwen2.5-VL)."""
+    n = sum(t * h * w for t, h, w in grids)
+    h, inter = d["hidden"], d["inter"]
+    mlp = (3 if d["gated"] else 2) * 2 * h * inter
+    f = n * 2 * d["cin"] * h + d["depth"] * n * (2 * 4 * h * h + mlp)
+    for layer in range(d["depth"]):
+        for t, gh, gw in grids:
+            if layer in d["full"]:
+                f += t * 4 * (gh * gw) ** 2 * h
+            else:  # windows of window x window merged tokens
+                side = d["window"] * 2
+                f += t * 4 * gh * gw * min(side * side, gh * gw) * h
+    tokens, wide = n // d["unit"], h * d["unit"]
+    f += d["mergers"] * tokens * (2 * wide * wide + 2 * wide * d["out"])
+    return float(f)
+
+
+def floor_graph(d: dict, grids, tower) -> Callable[[], None]:
+    """Only the GEMMs and varlen attention calls of the tower for these shapes, as one CUDA graph."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    n = sum(t * h * w for t, h, w in grids)
+    h, heads = d["hidden"], d["heads"]
+    dt, dev = torch.bfloat16, "cuda"
+    w = lambda a, b: torch.randn(a, b, device=dev, dtype=dt) * 0.02  # noqa: E731
+    w_embed, w_qkv, w_o = w(d["cin"], h), w(h, 3 * h), w(h, h)
+    w_up, w_down = w(h, (2 if d["gated"] else 1) * d["inter"]), w(d["inter"], h)
+    w_m1, w_m2 = w(h * d["unit"], h * d["unit"]), w(h * d["unit"], d["out"])
+    cap = tower.required_capacity(grids)
+    meta = tower.build_metadata(grids, cap)
+    cu = torch.from_numpy(meta["cu_seqlens"]).to(dev)
+    cu_w = torch.from_numpy(meta["cu_window_seqlens"]).to(dev) if "cu_window_seqlens" in meta else cu
+    x0 = torch.randn(n, d["cin"], device=dev, dtype=dt)
+
+    def forward():
+        x = x0 @ w_embed
+        for layer in range(d["depth"]):
+            q, k, v = (x @ w_qkv).view(n, 3, heads, -1).unbind(1)
+            full = layer in d["full"]
+            a = varlen_attn(q, k, v, cu if full else cu_w, cu if full else cu_w,
+                            cap.max_seqlen if full else cap.max_window_seqlen,
+                            cap.max_seqlen if full else cap.max_window_seqlen)
+            x = x + a.reshape(n, h) @ w_o
+            m = x @ w_up
+            if d["gated"]:
+                m = m[:, : d["inter"]] * m[:, d["inter"] :]
+            else:
+                m = torch.nn.functional.gelu(m, approximate="tanh")
+            x = x + m @ w_down
+        y = x.view(n // d["unit"], -1)
+        for _ in range(d["mergers"]):
+            (y @ w_m1) @ w_m2
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph.replay
+
+
+def hf_visual(tower):
+    import transformers
+
+    classes = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+    preset = PRESETS[tower.name]
+    cfg = full_config(preset)
+    cfg.vision_config._attn_implementation = "sdpa"
+    dev = next(tower.parameters()).device
+    dtype = next(tower.parameters()).dtype
+    with torch.device("meta"):
+        model = getattr(transformers, classes[preset.family])._from_config(cfg, dtype=dtype)
+    visual = model.model.visual.to_empty(device=dev)
+    visual.load_state_dict(tower.state_dict(), strict=False)
+    for m in visual.modules():  # non-persistent rotary buffers were left empty by to_empty
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+            n = m.inv_freq.numel()
+            m.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.float, device=dev) / (2 * n)))
+    return visual.eval()
+
+
+def hf_outputs(out) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Merged tokens and DeepStack features from any transformers 5.x vision model output."""
+    if isinstance(out, torch.Tensor):
+        return out, []
+    if isinstance(out, tuple):
+        return out[0], list(out[1]) if len(out) > 1 else []
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+
+
+def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: list[str] | None = None) -> dict:
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "python": platform.python_version()}
+    peak = matmul_tflops()
+    env["bf16_matmul_tflops"] = round(peak, 1)
+    print(json.dumps(env), flush=True)
+    rows = []
+    for name in models:
+        rows += bench_model(name, peak, max_batch_tokens, only)
+        torch.cuda.empty_cache()
+    result = {"env": env, "rows": rows}
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    print_table(rows)
+    chart(rows, out_dir / "bench.png")
+    return result
+
+
+def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] | None) -> list[dict]:
+    rows = []
+    tower = load_tower(name, device="cuda", dtype="bfloat16")
+    plan = plan_for(tower, max_batch_tokens=max_batch_tokens)
+    graphs = GraphRunner(tower, torch.device("cuda"), plan)
+    t0 = time.perf_counter()
+    graphs.capture()
+    capture_s = time.perf_counter() - t0
+    eager = GraphRunner(tower, torch.device("cuda"), plan, use_graphs=False)
+    hf = hf_visual(tower)
+    dims = tower_dims(tower)
+    print(f"{name}: {len(graphs.pool.graphs)} graphs captured in {capture_s:.1f}s, "
+          f"pool {graphs.stats.pool_bytes / 2**30:.2f} GiB, failures {len(graphs.pool.failed)}", flush=True)
+    for wname, grids in workloads(tower.processor.patch_size).items():
+        if only and wname not in only:
+            continue
+        rng = np.random.default_rng(0)
+        items = [VisualInput("video" if t > 1 else "image",
+                             torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
+                                                           dtype=np.uint8)).cuda(), (t, h, w))
+                 for t, h, w in grids]
+        host = torch.cat([it.pixels for it in items]).cpu().numpy()
+        x = torch.from_numpy(tower.processor.normalize(host)).to("cuda", torch.bfloat16)
+        g = torch.tensor(grids, device="cuda")
+        hits0 = graphs.stats.graph_items
+        eager0 = sum(graphs.stats.eager_items.values())
+        with torch.inference_mode():
+            ms_hf = cuda_time(lambda: hf(x, grid_thw=g))  # noqa: B023
+            ms_graph = cuda_time(lambda: graphs.encode(items))  # noqa: B023
+            ms_eager = cuda_time(lambda: eager.encode(items))  # noqa: B023
+        hit = graphs.stats.graph_items - hits0
+        miss = sum(graphs.stats.eager_items.values()) - eager0
+        ms_floor = cuda_time(floor_graph(dims, grids, tower))
+        flops = forward_flops(dims, grids)
+        patches = sum(t * h * w for t, h, w in grids)
+        row = dict(model=name, workload=wname, patches=patches, hf_ms=round(ms_hf, 3),
+                   graph_ms=round(ms_graph, 3), eager_ms=round(ms_eager, 3), floor_ms=round(ms_floor, 3),
+                   speedup_vs_hf=round(ms_hf / ms_graph, 2), graph_vs_eager=round(ms_eager / ms_graph, 2),
+                   over_floor=round(ms_graph / ms_floor, 2), patches_per_s=round(patches / ms_graph * 1e3),
+                   mfu=round(flops / (ms_graph / 1e3) / (peak * 1e12), 3),
+                   hf_mfu=round(flops / (ms_hf / 1e3) / (peak * 1e12), 3),
+                   hit_rate=round(hit / max(hit + miss, 1), 3))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    rows.append(dict(model=name, workload="_capture", graphs=len(graphs.pool.graphs),
+                     capture_s=round(capture_s, 2), pool_gib=round(graphs.stats.pool_bytes / 2**30, 3)))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'model':22} {'workload':14} {'HF ms':>8} {'graph ms':>9} {'eager ms':>9} {'floor ms':>9} "
+          f"{'xHF':>6} {'/floor':>7} {'MFU':>5} {'hit':>5}")
+    for r in rows:
+        if r["workload"] == "_capture":
+            print(f"{r['model']:22} capture: {r['graphs']} graphs, {r['capture_s']} s, {r['pool_gib']} GiB")
+            continue
+        print(f"{r['model']:22} {r['workload']:14} {r['hf_ms']:8.2f} {r['graph_ms']:9.2f} {r['eager_ms']:9.2f} "
+              f"{r['floor_ms']:9.2f} {r['speedup_vs_hf']:6.2f} {r['over_floor']:7.2f} {r['mfu']:5.2f} "
+              f"{r['hit_rate']:5.2f}")
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no chart written")
+        return
+    data = [r for r in rows if r["workload"] != "_capture"]
+    labels = [f"{r['model'].split(':')[-1]}\n{r['workload']}" for r in data]
+    xs = np.arange(len(data))
+    fig, ax = plt.subplots(figsize=(max(8, len(data) * 0.6), 4.5))
+    ax.bar(xs - 0.2, [r["speedup_vs_hf"] for r in data], 0.4, label="graphs vs transformers")
+    ax.bar(xs + 0.2, [r["hf_ms"] / r["floor_ms"] for r in data], 0.4, label="floor vs transformers")
+    ax.set_xticks(xs, labels, rotation=90, fontsize=7)
+    ax.set_ylabel("speed-up over transformers eager")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,141 @@
+"""GPU only: bf16 parity of the full-size towers with transformers, and graph replays against eager.
+
+Run on the GPU machine: `pytest -m cuda`. Skipped without CUDA (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphs.budgets import GraphKey
+from graphs.runner import GraphRunner, plan_for
+from models import VisualInput, load_tower
+from service.bench import hf_outputs, hf_visual
+
+pytestmark = pytest.mark.cuda
+FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b"]
+DEV = torch.device("cuda")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def reference_forward(visual, tower, grids, pixels: np.ndarray):
+    x = torch.from_numpy(tower.processor.normalize(pixels)).to(DEV, torch.bfloat16)
+    with torch.inference_mode():
+        out = visual(x, grid_thw=torch.tensor(grids, device=DEV))
+    return hf_outputs(out)
+
+
+def make_items(tower, grids, seed, modality="image"):
+    rng = np.random.default_rng(seed)
+    return [
+        VisualInput(modality, rng.integers(0, 256, (t * h * w, tower.processor.patch_dim), dtype=np.uint8), (t, h, w))
+        for t, h, w in grids
+    ]
+
+
+@pytest.fixture(scope="module", params=FULL)
+def full_runner(request):
+    tower = load_tower(request.param, device="cuda", dtype="bfloat16")
+    plan = plan_for(tower, max_batch_tokens=2048)
+    runner = GraphRunner(tower, DEV, plan)
+    runner.capture()
+    yield runner
+    del runner
+    torch.cuda.empty_cache()
+
+
+def test_full_size_bf16_parity_with_transformers(full_runner):
+    tower = full_runner.tower
+    visual = hf_visual(tower)
+    m = tower.merge
+    grids = [(1, 32, 32), (1, 16, 24), (2, 12, 12), (1, 4 * m, 6 * m)]
+    items = make_items(tower, grids, 0)
+    ours = full_runner.encode(items)
+    ref, ref_ds = reference_forward(visual, tower, grids, np.concatenate([i.pixels for i in items]))
+    got = torch.cat([o.embeds for o in ours])
+    assert rel_err(got, ref) <= 1e-2
+    for j, feat in enumerate(ref_ds):
+        assert rel_err(torch.cat([o.deepstack[j] for o in ours]), feat) <= 1e-2
+    eager = full_runner.eager(np.concatenate([i.pixels for i in items]), grids).embeds
+    assert rel_err(eager, ref) <= 1e-2
+
+
+def test_equal_tokens_different_boundaries(full_runner):
+    """sglang PR #37043: equal token totals, different image boundaries, one graph."""
+    tower = full_runner.tower
+    a = make_items(tower, [(1, 16, 16), (1, 16, 16)], 1)  # 2 x 256 patches
+    b = make_items(tower, [(1, 8, 16), (1, 24, 16)], 2)  # 128 + 384 patches, same total
+    for items in (a, b, a):
+        batches = full_runner.pack_items(items)
+        outs = full_runner.encode(items)
+        for it, out in zip(items, outs):
+            solo = full_runner.eager(it.pixels, [it.grid_thw]).embeds
+            assert rel_err(out.embeds, solo) <= 1e-2
+        assert all(bt.key is not None for bt in batches)
+    assert full_runner.stats.graph_items >= 6
+
+
+def test_small_then_large_then_small(full_runner):
+    """sglang issue #29216: a small graph replayed after a large one must still be right."""
+    tower = full_runner.tower
+    small = make_items(tower, [(1, 8, 8)], 3)
+    large = make_items(tower, [(1, 64, 64), (1, 40, 48)], 4)
+    expected = full_runner.eager(small[0].pixels, [small[0].grid_thw]).embeds
+    first = full_runner.encode(small)[0].embeds
+    full_runner.encode(large)
+    again = full_runner.encode(small)[0].embeds
+    assert rel_err(first, expected) <= 1e-2
+    assert torch.equal(first, again)
+
+
+def test_random_batches_match_eager(full_runner):
+    """Seeded random batches mixing sizes and counts (70 per family: 210 over the three)."""
+    tower = full_runner.tower
+    rng = np.random.default_rng(7)
+    m = tower.merge
+    for trial in range(70):
+        count = int(rng.integers(1, 9))
+        grids = [(1, m * int(rng.integers(1, 20)), m * int(rng.integers(1, 20))) for _ in range(count)]
+        items = make_items(tower, grids, 100 + trial)
+        outs = full_runner.encode(items)
+        for it, out in zip(items, outs):
+            solo = full_runner.eager(it.pixels, [it.grid_thw]).embeds
+            assert out.embeds.shape == solo.shape
+            assert torch.isfinite(out.embeds).all()
+            assert rel_err(out.embeds, solo) <= 1e-2, (trial, it.grid_thw)
+    assert full_runner.stats.hit_rate > 0.9
+
+
+def test_images_and_videos_with_fallback_reasons(full_runner):
+    tower = full_runner.tower
+    m = tower.merge
+    short = make_items(tower, [(4, 6 * m, 6 * m)], 5, "video")
+    long = make_items(tower, [(full_runner.plan.t_capture + 2, 4 * m, 4 * m)], 6, "video")
+    images = make_items(tower, [(1, 8 * m, 8 * m)], 7)
+    before = dict(full_runner.stats.eager_items)
+    outs = full_runner.encode(short + long + images)
+    for it, out in zip(short + long + images, outs):
+        solo = full_runner.eager(it.pixels, [it.grid_thw]).embeds
+        assert rel_err(out.embeds, solo) <= 1e-2
+    assert full_runner.stats.eager_items["t_capture"] == before.get("t_capture", 0) + 1
+    assert any(k.startswith("video/") for k in full_runner.stats.replays)
+
+
+def test_injected_capture_failure_serves_eagerly():
+    tower = load_tower("random:qwen2-vl-7b", device="cuda", dtype="bfloat16")
+    plan = plan_for(tower, max_batch_tokens=256)
+    runner = GraphRunner(tower, DEV, plan, modalities=("image",))
+    broken = GraphKey("image", 64, 256)
+    runner.pool.fail_capture_for.add(broken)
+    runner.capture()
+    assert broken in runner.pool.failed and broken not in runner.pool.graphs
+    items = make_items(tower, [(1, 16, 16)], 8)
+    assert runner.pack_items(items)[0].key == broken
+    out = runner.encode(items)[0].embeds
+    assert rel_err(out, runner.eager(items[0].pixels, [(1, 16, 16)]).embeds) <= 1e-3
+    assert runner.stats.eager_items["capture_failed"] == 1
