@@ -1,0 +1,596 @@
+"""Qwen-VL video preprocessing on the host: video bytes -> uint8 patches in the reference row order.
+
+Frame sampling and per-frame sizes follow the reference each model family ships with:
+
+* Qwen2-VL / Qwen2.5-VL: qwen-vl-utils 0.0.14 `fetch_video` with its decord/torchcodec readers
+  (`smart_nframes`, `calculate_video_frame_range`, `torch.linspace(...).round()` indices, the
+  per-frame pixel budget of `fetch_video`), resize with `smart_resize` (factor patch*merge).
+* Qwen3-VL: transformers' `Qwen3VLVideoProcessor` (`sample_frames`, and its own `smart_resize`
+  that bounds T*H*W of the whole clip between size.shortest_edge and size.longest_edge).
+
+Frames are resized one by one with PIL bicubic on uint8, like the image path (the references
+resize torch tensors with torchvision bicubic+antialias; see docs/video.md), and patchified into
+`pixel_values_videos` order: rows (t, h-block, w-block, merge-row, merge-col), columns
+(channel, temporal, patch-row, patch-col). An odd frame count is padded with the last frame.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from models.config import ProcessorConfig, VisualInput
+from service.media.errors import ASPECT_RATIO, MediaError
+from service.media.video import DEFAULT_MAX_FRAME_PIXELS, TOO_FEW_FRAMES, VideoReader
+from service.preprocess import MAX_ASPECT_RATIO, smart_resize
+
+INVALID_OPTION = "invalid_option"
+
+QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN3_FAMILIES = ("qwen3_vl",)
+
+# qwen-vl-utils' FRAME_FACTOR; it is the temporal_patch_size of every Qwen-VL checkpoint.
+FRAME_FACTOR = 2
+# Qwen3VLVideoProcessor.max_video_tokens: per-frame token ceiling when cap_pixels_per_frame is on.
+QWEN3_MAX_VIDEO_TOKENS = 768
+
+
+# -- rounding helpers (qwen-vl-utils) -------------------------------------------------------------
+
+
+def round_by_factor(number: float, factor: int) -> int:
+    return round(number / factor) * factor
+
+
+def ceil_by_factor(number: float, factor: int) -> int:
+    return math.ceil(number / factor) * factor
+
+
+def floor_by_factor(number: float, factor: int) -> int:
+    return math.floor(number / factor) * factor
+
+
+def torch_linspace_round(start: float, end: float, steps: int) -> np.ndarray:
+    """`torch.linspace(start, end, steps).round().long()` (default float32) with numpy.
+
+    numpy's float64 linspace rounds differently on long clips. torch's CPU kernel computes the
+    first half as start + step*i and the second half as end - step*(steps-1-i), each as one fused
+    multiply-add rounded once to float32, with step = (end - start) / (steps - 1) in float32. The
+    float64 product and sum are exact here (24-bit step times an index below 2**29), so one cast to
+    float32 is that single rounding. Rounding is half to even in both libraries.
+    """
+    if steps < 1:
+        return np.zeros(0, dtype=np.int64)
+    s32, e32 = np.float32(start), np.float32(end)
+    if steps == 1:
+        return np.round(np.asarray([s32])).astype(np.int64)
+    step = np.float64(np.float32(e32 - s32) / np.float32(steps - 1))
+    i = np.arange(steps, dtype=np.float64)
+    head = (np.float64(s32) + step * i).astype(np.float32)
+    tail = (np.float64(e32) - step * (steps - 1 - i)).astype(np.float32)
+    values = np.where(np.arange(steps) < steps // 2, head, tail)
+    return np.round(values).astype(np.int64)
+
+
+# -- Qwen2-VL / Qwen2.5-VL: qwen-vl-utils ---------------------------------------------------------
+
+
+def frame_range(
+    total_frames: int, video_fps: float, video_start: float | None = None, video_end: float | None = None
+) -> tuple[int, int, int]:
+    """(first, last, count) frame indices inside [video_start, video_end] seconds.
+
+    qwen-vl-utils `calculate_video_frame_range`: times are clamped to the clip, the first index is
+    ceil(start * fps), the last floor(end * fps) capped at the last frame.
+    """
+    if video_start is None and video_end is None:
+        return 0, total_frames - 1, total_frames
+    max_duration = total_frames / video_fps
+    first = 0
+    if video_start is not None:
+        first = math.ceil(max(0.0, min(video_start, max_duration)) * video_fps)
+    last = total_frames - 1
+    if video_end is not None:
+        last = min(math.floor(max(0.0, min(video_end, max_duration)) * video_fps), total_frames - 1)
+    if first >= last:
+        raise MediaError(
+            reason=f"video_start/video_end select no frames: frames {first}..{last} of a "
+            f"{max_duration:.2f} s clip ({total_frames} frames at {video_fps:.3f} fps)",
+            code=INVALID_OPTION,
+        )
+    return first, last, last - first + 1
+
+
+def qwen2_nframes(
+    total_frames: int,
+    video_fps: float,
+    *,
+    fps: float = 2.0,
+    nframes: int | None = None,
+    min_frames: int = 4,
+    max_frames: int | None = None,
+    default_max_frames: int = 768,
+) -> int:
+    """qwen-vl-utils `smart_nframes`: how many frames to sample.
+
+    nframes given: round it to FRAME_FACTOR. Otherwise total/video_fps*fps, clamped to
+    [ceil2(min_frames), floor2(max_frames)] and to total_frames, then floored to FRAME_FACTOR;
+    max_frames defaults to min(default_max_frames, total_frames). The result must lie in
+    [FRAME_FACTOR, total_frames].
+    """
+    if nframes is not None:
+        n = round_by_factor(nframes, FRAME_FACTOR)
+    else:
+        lo = ceil_by_factor(min_frames, FRAME_FACTOR)
+        hi = floor_by_factor(
+            max_frames if max_frames is not None else min(default_max_frames, total_frames), FRAME_FACTOR
+        )
+        wanted = total_frames / video_fps * fps
+        n = floor_by_factor(min(min(max(wanted, lo), hi), total_frames), FRAME_FACTOR)
+    if not FRAME_FACTOR <= n <= total_frames:
+        if total_frames < FRAME_FACTOR:
+            raise MediaError(
+                reason=f"the video has {total_frames} frame(s) in range; at least {FRAME_FACTOR} are needed",
+                code=TOO_FEW_FRAMES,
+            )
+        raise MediaError(
+            reason=f"sampling asks for {n} frames; it must lie in [{FRAME_FACTOR}, {total_frames}] "
+            f"(frames in range)",
+            code=INVALID_OPTION,
+        )
+    return n
+
+
+def qwen2_frame_pixel_bounds(
+    nframes: int,
+    *,
+    min_pixels: int,
+    frame_max_pixels: int,
+    total_pixels: float,
+    max_pixels: float | None = None,
+) -> tuple[int, float]:
+    """qwen-vl-utils `fetch_video` per-frame bounds: the total budget shared by the frames.
+
+    max = max(min(frame_max_pixels, total_pixels / nframes * FRAME_FACTOR), int(min_pixels * 1.05)),
+    then lowered (never raised) by a requested max_pixels. frame_max_pixels plays
+    VIDEO_MAX_TOKEN_NUM * factor**2 (768 tokens), min_pixels VIDEO_MIN_TOKEN_NUM * factor**2.
+    """
+    budget = max(min(frame_max_pixels, total_pixels / nframes * FRAME_FACTOR), int(min_pixels * 1.05))
+    if max_pixels is not None:
+        budget = min(max_pixels, budget)
+    return min_pixels, budget
+
+
+# -- Qwen3-VL: transformers Qwen3VLVideoProcessor -------------------------------------------------
+
+
+def qwen3_num_frames(
+    total_frames: int,
+    video_fps: float,
+    *,
+    fps: float = 2.0,
+    num_frames: int | None = None,
+    min_frames: int = 4,
+    max_frames: int = 768,
+) -> int:
+    """Qwen3VLVideoProcessor.sample_frames: int(total/video_fps*fps) clamped to [min_frames,
+    max_frames] and to total_frames; an explicit num_frames is used as is (no rounding)."""
+    if num_frames is not None:
+        return int(num_frames)
+    n = int(total_frames / video_fps * fps)
+    return min(max(n, min_frames), max_frames, total_frames)
+
+
+def qwen3_smart_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int = 2,
+    factor: int = 32,
+    min_pixels: float = 128 * 32 * 32,
+    max_pixels: float = 32 * 32 * 768,
+) -> tuple[int, int]:
+    """The Qwen3-VL video `smart_resize`: sides multiples of `factor`, with T*H*W (T rounded to
+    temporal_factor) kept within [min_pixels, max_pixels] by a common scale of H and W."""
+    if num_frames < temporal_factor:
+        raise MediaError(
+            reason=f"{num_frames} frame(s) sampled; Qwen3-VL needs at least {temporal_factor}",
+            code=TOO_FEW_FRAMES,
+        )
+    if height < factor or width < factor:
+        # Tiny frames are first scaled up so the short side reaches one factor.
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise MediaError(
+            reason=f"aspect ratio {ratio:.1f} of {width}x{height} frames is above {MAX_ASPECT_RATIO}",
+            code=ASPECT_RATIO,
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen3_max_pixels(
+    num_frames: int, *, factor: int, min_pixels: float, max_pixels: float, cap_pixels_per_frame: bool
+) -> float:
+    """Upper T*H*W bound for `qwen3_smart_resize`; with the optional per-frame cap of
+    Qwen3VLVideoProcessor.resize (qwen-vl-utils style), each frame gets at most
+    min(768 tokens, max_pixels // T) pixels, floored at int(min_pixels * 1.05)."""
+    if not cap_pixels_per_frame:
+        return max_pixels
+    frame_cap = QWEN3_MAX_VIDEO_TOKENS * factor * factor
+    per_frame = max(min(frame_cap, int(max_pixels) // num_frames), int(min_pixels * 1.05))
+    return per_frame * num_frames
+
+
+# -- planning -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Which frames to take and how large to make them, before anything is decoded."""
+
+    indices: np.ndarray  # int64 [n] frame indices on the stream's timeline
+    sample_fps: float  # frames per second of the sample (qwen-vl-utils' sample_fps)
+    size: Callable[[int, int], tuple[int, int]]  # upright (H, W) -> resized (h, w)
+
+
+def plan_sampling(
+    cfg: ProcessorConfig,
+    total_frames: int,
+    video_fps: float,
+    *,
+    fps: float | None = None,
+    nframes: int | None = None,
+    min_frames: int | None = None,
+    max_frames: int | None = None,
+    video_start: float | None = None,
+    video_end: float | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    total_pixels: int | None = None,
+    cap_pixels_per_frame: bool = False,
+) -> SamplingPlan:
+    """Frame indices and the resize rule for a video with `total_frames` frames at `video_fps`."""
+    if total_frames < 1 or not video_fps > 0:
+        raise MediaError(
+            reason=f"the video has {total_frames} frames at {video_fps} fps", code=TOO_FEW_FRAMES
+        )
+    vcfg = cfg.video
+    first, last, count = frame_range(total_frames, video_fps, video_start, video_end)
+    want_fps = vcfg.fps if fps is None else fps
+    lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
+    factor = cfg.factor
+    if cfg.family in QWEN2_FAMILIES:
+        n = qwen2_nframes(
+            count,
+            video_fps,
+            fps=want_fps,
+            nframes=nframes,
+            min_frames=vcfg.min_frames if min_frames is None else min_frames,
+            max_frames=max_frames,
+            default_max_frames=vcfg.max_frames,
+        )
+        indices = torch_linspace_round(first, last, n)
+        lo, hi = qwen2_frame_pixel_bounds(
+            n,
+            min_pixels=lo_px,
+            frame_max_pixels=vcfg.max_pixels,
+            total_pixels=vcfg.total_pixels if total_pixels is None else total_pixels,
+            max_pixels=max_pixels,
+        )
+        if hi < lo:
+            raise MediaError(
+                reason=f"max_pixels {hi:g} per frame is below min_pixels {lo}", code=INVALID_OPTION
+            )
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return smart_resize(height, width, factor, lo, hi)  # type: ignore[arg-type]
+
+    elif cfg.family in QWEN3_FAMILIES:
+        n = qwen3_num_frames(
+            count,
+            video_fps,
+            fps=want_fps,
+            num_frames=nframes,
+            min_frames=vcfg.min_frames if min_frames is None else min_frames,
+            max_frames=vcfg.max_frames if max_frames is None else max_frames,
+        )
+        if n < cfg.temporal_patch_size:
+            raise MediaError(
+                reason=f"{n} frame(s) sampled from {count} in range; Qwen3-VL needs at least "
+                f"{cfg.temporal_patch_size}",
+                code=TOO_FEW_FRAMES,
+            )
+        indices = np.linspace(first, last, n).round().astype(np.int64)
+        hi_budget: float = vcfg.max_pixels if max_pixels is None else max_pixels
+        if total_pixels is not None:
+            hi_budget = min(hi_budget, total_pixels)
+        hi = qwen3_max_pixels(
+            n,
+            factor=factor,
+            min_pixels=lo_px,
+            max_pixels=hi_budget,
+            cap_pixels_per_frame=cap_pixels_per_frame,
+        )
+        tps = cfg.temporal_patch_size
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return qwen3_smart_resize(
+                n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi
+            )
+
+    else:
+        raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
+    sample_fps = n / max(count, 1e-6) * video_fps
+    return SamplingPlan(indices=indices, sample_fps=sample_fps, size=size)
+
+
+# -- patches --------------------------------------------------------------------------------------
+
+
+class _PatchWriter:
+    """Receives decoded frames, resizes each with PIL and writes its patches straight into the
+    output, so full-size frames never pile up; resizing runs on a small thread pool (PIL releases
+    the GIL) while the decoder continues."""
+
+    def __init__(
+        self,
+        cfg: ProcessorConfig,
+        slots_of: dict[int, list[int]],
+        num_slots: int,
+        size: Callable[[int, int], tuple[int, int]],
+        workers: int,
+    ) -> None:
+        self.cfg = cfg
+        self.slots_of = slots_of
+        self.num_slots = num_slots
+        self.size = size
+        self.orig_size: tuple[int, int] | None = None
+        self.resized: tuple[int, int] | None = None
+        self._out: np.ndarray | None = None
+        self._dst: np.ndarray | None = None
+        self._pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
+        self._inflight: deque[Future[None]] = deque()
+        self._max_inflight = 2 * workers
+
+    def __call__(self, position: int, rgb: np.ndarray) -> None:
+        if self._out is None:
+            self._allocate(rgb.shape[0], rgb.shape[1])
+        if self._pool is None:
+            self._write(position, rgb)
+            return
+        self._inflight.append(self._pool.submit(self._write, position, rgb))
+        while len(self._inflight) > self._max_inflight:
+            self._inflight.popleft().result()
+
+    def _allocate(self, height: int, width: int) -> None:
+        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        h, w = self.size(height, width)
+        self.orig_size, self.resized = (height, width), (h, w)
+        bh, bw = h // (p * m), w // (p * m)
+        self._out = np.empty((self.num_slots // tps, bh, bw, m, m, 3, tps, p * p), np.uint8)
+        # Patch rows (P contiguous bytes in source and destination) move as single void items.
+        self._dst = self._out.view(np.dtype((np.void, p))).reshape(self._out.shape[:-1] + (p,))
+
+    def _write(self, position: int, rgb: np.ndarray) -> None:
+        assert self._dst is not None and self.resized is not None
+        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        h, w = self.resized
+        image = Image.fromarray(rgb, "RGB")
+        if image.size != (w, h):
+            image = image.resize((w, h), Image.Resampling.BICUBIC)
+        row = np.dtype((np.void, p))
+        for channel, band in enumerate("RGB"):
+            # Planar bytes from PIL, viewed as (block row, merge row, patch row, block col, merge col).
+            plane = np.frombuffer(image.tobytes("raw", band), dtype=row).reshape(
+                h // (p * m), m, p, w // (p * m), m
+            )
+            blocks = plane.transpose(0, 3, 1, 4, 2)
+            for slot in self.slots_of[position]:
+                self._dst[slot // tps, :, :, :, :, channel, slot % tps] = blocks
+
+    def finish(self) -> np.ndarray:
+        try:
+            while self._inflight:
+                self._inflight.popleft().result()
+        finally:
+            self.close()
+        assert self._out is not None
+        p, tps = self.cfg.patch_size, self.cfg.temporal_patch_size
+        return self._out.reshape(-1, 3 * tps * p * p)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def patchify_video(
+    frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int
+) -> np.ndarray:
+    """uint8 [F, H, W, 3] frames (F a multiple of temporal_patch_size) -> [t*h*w, 3*T*P*P] rows in
+    `pixel_values_videos` order. A plain numpy version of what _PatchWriter writes incrementally."""
+    f, height, width, c = frames.shape
+    p, m, tps = patch_size, merge_size, temporal_patch_size
+    if f % tps or height % (p * m) or width % (p * m):
+        raise ValueError(f"{f}x{height}x{width} is not a multiple of ({tps}, {p * m}, {p * m})")
+    x = frames.reshape(f // tps, tps, height // (p * m), m, p, width // (p * m), m, p, c)
+    # -> (t, block row, block col, merge row, merge col, channel, temporal, patch row, patch col)
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    return np.ascontiguousarray(x).reshape(-1, c * tps * p * p)
+
+
+# -- public entry ---------------------------------------------------------------------------------
+
+
+def _check_options(
+    fps: float | None,
+    nframes: int | None,
+    min_frames: int | None,
+    max_frames: int | None,
+    video_start: float | None,
+    video_end: float | None,
+    min_pixels: int | None,
+    max_pixels: int | None,
+    total_pixels: int | None,
+    max_frame_pixels: int,
+) -> None:
+    """Per-request options come from clients: refuse nonsense with a MediaError, not a crash."""
+
+    def bad(reason: str) -> MediaError:
+        return MediaError(reason=reason, code=INVALID_OPTION)
+
+    def is_int(x: object) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    def is_num(x: object) -> bool:
+        return (
+            isinstance(x, (int, float, np.integer, np.floating))
+            and not isinstance(x, bool)
+            and math.isfinite(x)
+        )
+
+    if fps is not None and nframes is not None:
+        raise bad("give fps or nframes, not both")
+    if fps is not None and not (is_num(fps) and fps > 0):
+        raise bad(f"fps must be a positive number, got {fps!r}")
+    if nframes is not None and not (is_int(nframes) and nframes >= 2):
+        raise bad(f"nframes must be an integer >= 2, got {nframes!r}")
+    for name, value in (("min_frames", min_frames), ("max_frames", max_frames)):
+        if value is not None and not (is_int(value) and value >= 1):
+            raise bad(f"{name} must be an integer >= 1, got {value!r}")
+    if min_frames is not None and max_frames is not None and min_frames > max_frames:
+        raise bad(f"min_frames {min_frames} is above max_frames {max_frames}")
+    for name, value in (("video_start", video_start), ("video_end", video_end)):
+        if value is not None and not (is_num(value) and value >= 0):
+            raise bad(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if video_start is not None and video_end is not None and video_start >= video_end:
+        raise bad(f"video_start {video_start} must be before video_end {video_end}")
+    for name, value in (
+        ("min_pixels", min_pixels),
+        ("max_pixels", max_pixels),
+        ("total_pixels", total_pixels),
+        ("max_frame_pixels", max_frame_pixels),
+    ):
+        if value is not None and not (is_int(value) and value >= 1):
+            raise bad(f"{name} must be an integer >= 1, got {value!r}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise bad(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
+
+
+def preprocess_video_bytes(
+    data: bytes | bytearray | memoryview,
+    cfg: ProcessorConfig,
+    *,
+    fps: float | None = None,
+    nframes: int | None = None,
+    min_frames: int | None = None,
+    max_frames: int | None = None,
+    video_start: float | None = None,
+    video_end: float | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    total_pixels: int | None = None,
+    max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS,
+    cap_pixels_per_frame: bool = False,
+    threads: int = 0,
+    workers: int | None = None,
+) -> VisualInput:
+    """Decode, sample, resize and patchify one video; every bad input raises MediaError.
+
+    Options override the config's video defaults for this item (None = config). For Qwen3-VL,
+    min_pixels/max_pixels bound T*H*W of the whole clip (size.shortest_edge/longest_edge) and
+    total_pixels, if given, lowers that upper bound; cap_pixels_per_frame applies transformers'
+    optional per-frame cap (Qwen3-VL only). threads: FFmpeg decoder threads (0 = auto);
+    workers: resize threads (default min(4, cores)).
+    """
+    _check_options(
+        fps,
+        nframes,
+        min_frames,
+        max_frames,
+        video_start,
+        video_end,
+        min_pixels,
+        max_pixels,
+        total_pixels,
+        max_frame_pixels,
+    )
+    if cfg.in_channels != 3:
+        raise ValueError(f"videos are RGB, the config wants {cfg.in_channels} channels")
+    tps = cfg.temporal_patch_size
+    with VideoReader(data, max_frame_pixels=max_frame_pixels, threads=threads) as reader:
+        info = reader.info
+        plan = plan_sampling(
+            cfg,
+            info.num_frames,
+            info.fps,
+            fps=fps,
+            nframes=nframes,
+            min_frames=min_frames,
+            max_frames=max_frames,
+            video_start=video_start,
+            video_end=video_end,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            total_pixels=total_pixels,
+            cap_pixels_per_frame=cap_pixels_per_frame,
+        )
+        positions = reader.positions_at(reader.index_times(plan.indices))
+        # Pad to a multiple of temporal_patch_size by repeating the last sampled frame.
+        pad = -len(positions) % tps
+        slots = np.concatenate([positions, np.repeat(positions[-1:], pad)])
+        slots_of: dict[int, list[int]] = {}
+        for slot, position in enumerate(slots.tolist()):
+            slots_of.setdefault(position, []).append(slot)
+        n_workers = workers if workers is not None else min(4, os.cpu_count() or 1)
+        writer = _PatchWriter(cfg, slots_of, len(slots), plan.size, max(1, n_workers))
+        try:
+            reader.read(positions, writer)
+            pixels = writer.finish()
+        finally:
+            writer.close()
+        timestamps = reader.frame_times[slots]
+    assert writer.resized is not None and writer.orig_size is not None
+    h, w = writer.resized
+    grid = (len(slots) // tps, h // cfg.patch_size, w // cfg.patch_size)
+    return VisualInput(
+        modality="video",
+        pixels=pixels,
+        grid_thw=grid,
+        meta={
+            "timestamps": [round(float(t), 6) for t in timestamps],
+            "fps": plan.sample_fps,
+            "second_per_grid_ts": tps / plan.sample_fps,
+            "frames": len(slots),
+            "sampled_frames": len(positions),
+            "frame_indices": plan.indices.tolist(),
+            "orig_size": writer.orig_size,
+            "resized": (h, w),
+            "video_fps": info.fps,
+            "total_frames": info.num_frames,
+            "duration": info.duration,
+            "container": info.container,
+            "codec": info.codec,
+        },
+    )
