@@ -108,9 +108,11 @@ class BudgetPlan:
         segments = min(self.max_segments(key.modality), patches // min_segment)
         windows = 0
         if self.windows:
-            # A frame of n patches has at most n/16 + 1 windows (ceil(a/4)*ceil(b/4) <= ab/4 + 1
-            # in merged tokens), so this bound always holds and never forces a fallback.
-            windows = patches // 16 + segments
+            # A frame of n patches has at most n/16 + 1 windows (ceil(a/4)*ceil(b/4) <= ab/4 + 1 in
+            # merged tokens), but squarish frames have about n/64. Every empty slot still costs the
+            # kernel a block per head, so the class holds twice the square case plus 4 per frame,
+            # never more than the hard bound; a batch of extreme aspect ratios beyond it runs eagerly.
+            windows = min(patches // 16 + segments, patches // 32 + 4 * segments)
         return Capacity(
             patches=patches,
             segments=segments,

@@ -33,10 +33,8 @@ class Batch:
     reason: str | None = None
 
 
-def eager_reason(item: PackItem, plan: BudgetPlan, graphs: bool = True) -> str | None:
-    """Why an item cannot go through any graph, or None."""
-    if not graphs:
-        return "graphs_disabled"
+def eager_reason(item: PackItem, plan: BudgetPlan) -> str | None:
+    """Why an item cannot go through any graph (so runs eagerly on its own), or None."""
     if item.tokens > plan.max_budget:
         return "over_budget"
     if item.modality == "video" and item.segments > plan.t_capture:
@@ -50,11 +48,11 @@ def smallest_budget(plan: BudgetPlan, tokens: int) -> int:
     return next(b for b in plan.budgets if b >= tokens)
 
 
-def pack(items: Sequence[PackItem], plan: BudgetPlan, graphs: bool = True) -> list[Batch]:
+def pack(items: Sequence[PackItem], plan: BudgetPlan) -> list[Batch]:
     batches: list[Batch] = []
     groups: dict[tuple[str, int], list[int]] = {}
     for i, item in enumerate(items):
-        reason = eager_reason(item, plan, graphs)
+        reason = eager_reason(item, plan)
         if reason:
             batches.append(Batch(None, [i], item.tokens, item.segments, reason))
             continue

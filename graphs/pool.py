@@ -44,6 +44,7 @@ class GraphPool:
         self.graphs: dict[GraphKey, CapturedGraph] = {}
         self.failed: dict[GraphKey, str] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+        self._outputs: TowerOutput | None = None
         self._mempool = None
         self.fail_capture_for: set[GraphKey] = set()  # fault injection for tests
 
@@ -56,6 +57,7 @@ class GraphPool:
             self._mempool = torch.cuda.graph_pool_handle()
         keys = sorted(keys, key=lambda k: -self.plan.capacity(k).patches)
         self._allocate_inputs([self.plan.capacity(k) for k in keys])
+        self._allocate_outputs(max((self.plan.capacity(k).patches for k in keys), default=0))
         for key in keys:
             cap = self.plan.capacity(key)
             t0 = time.perf_counter()
@@ -94,6 +96,26 @@ class GraphPool:
         for name, arr in longest.items():
             self._buffers[name] = torch.zeros(arr.shape, dtype=torch.from_numpy(arr).dtype, device=self.device)
 
+    def _allocate_outputs(self, patches: int) -> None:
+        """Every graph writes its result here, outside the graph memory pool, so no graph output
+        lives in memory that another graph's replay overwrites, and the pool holds only scratch."""
+        tokens = patches // self.tower.merge_unit
+        ref = next(self.tower.parameters())
+        shape = (tokens, self.tower.out_hidden_size)
+        embeds = torch.zeros(shape, dtype=ref.dtype, device=self.device)
+        deepstack = [torch.zeros(shape, dtype=ref.dtype, device=self.device) for _ in range(self.tower.num_deepstack)]
+        self._outputs = TowerOutput(embeds, deepstack)
+
+    def _forward_into_outputs(self, inputs: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
+        meta = {k: v for k, v in inputs.items() if k != "pixels"}
+        out = self.tower(inputs["pixels"], meta, cap)
+        tokens = cap.patches // self.tower.merge_unit
+        static = self._outputs
+        static.embeds[:tokens].copy_(out.embeds)
+        for dst, src in zip(static.deepstack, out.deepstack):
+            dst[:tokens].copy_(src)
+        return TowerOutput(static.embeds[:tokens], [d[:tokens] for d in static.deepstack])
+
     def _input_views(self, cap: Capacity) -> dict[str, torch.Tensor]:
         """Static inputs for a capacity: prefixes of the shared buffers, holding an empty batch."""
         views = {}
@@ -105,17 +127,16 @@ class GraphPool:
 
     def _capture_one(self, key: GraphKey, cap: Capacity) -> CapturedGraph:
         inputs = self._input_views(cap)
-        meta = {k: v for k, v in inputs.items() if k != "pixels"}
         if self.device.type != "cuda":
             return CapturedGraph(key, cap, inputs, TowerOutput(torch.empty(0), []), None)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            self.tower(inputs["pixels"], meta, cap)  # warm-up: lazy init and autotuning outside capture
+            self._forward_into_outputs(inputs, cap)  # warm-up: lazy init and autotuning outside capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._mempool):
-            outputs = self.tower(inputs["pixels"], meta, cap)
+            outputs = self._forward_into_outputs(inputs, cap)
         return CapturedGraph(key, cap, inputs, outputs, graph)
 
     # ---- replay -------------------------------------------------------------------------
@@ -130,11 +151,11 @@ class GraphPool:
         tokens = len(pixels) // self.tower.merge_unit
         with torch.inference_mode():
             if g.graph is None:
-                out = self.tower(g.inputs["pixels"], {k: v for k, v in g.inputs.items() if k != "pixels"}, cap)
+                out = self._forward_into_outputs(g.inputs, cap)
             else:
                 g.graph.replay()
                 out = g.outputs
-            # Copy out now: the next replay of any graph may reuse this memory.
+            # Copy out now: the next replay of any graph writes the same output buffers.
             result = TowerOutput(out.embeds[:tokens].clone(), [d[:tokens].clone() for d in out.deepstack])
         self.stats.record_replay(str(key), len(grids))
         return result

@@ -6,6 +6,7 @@ This is what `vitserve encode` and the server's engine loop call. It knows nothi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,13 +59,56 @@ class GraphRunner:
         self.modalities = modalities
         self.stats = PoolStats()
         self.pool = GraphPool(tower, device, plan, self.stats)
+        self.padding_threshold = float("inf")  # patches of padding above which eager wins; set by calibrate()
 
     def capture(self) -> None:
         if self.use_graphs:
             self.pool.capture(self.plan.keys(self.modalities))
+            if self.device.type == "cuda" and self.pool.graphs:
+                self.calibrate()
+
+    def calibrate(self) -> None:
+        """Measure when padding costs more than launches: a replay computes its whole budget, an
+        eager run only the batch's patches but pays every kernel launch. Big, badly filled batches
+        are then served eagerly (reason "padding"); everything else replays."""
+        merge = self.tower.merge
+        side = 16 * merge  # 32x32-patch frames (28x28 with merge 2 would do as well)
+        pixels = np.random.default_rng(0).integers(0, 256, (side * side, self.tower.processor.patch_dim), np.uint8)
+        frame = VisualInput("image", pixels, (1, side, side))  # random, not zeros: zeros time faster
+        count = max(1, min(self.plan.max_items, self.plan.max_budget // frame.num_tokens(merge)))
+        small, big = [frame], [frame] * count
+
+        def timed(fn) -> float:
+            fn()
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - start) / 3
+
+        stats = self.stats.as_dict()
+        graph_small = timed(lambda: self._run(small, force_eager=False))
+        eager_small = timed(lambda: self._run(small, force_eager=True))
+        big_batches = self.pack_items(big)
+        graph_big = timed(lambda: self._run(big, force_eager=False))
+        budget_patches = sum(b.key.budget for b in big_batches if b.key) * self.plan.merge_unit
+        per_patch = graph_big / max(budget_patches, 1)
+        self.padding_threshold = max(0.0, eager_small - graph_small) / per_patch if per_patch > 0 else float("inf")
+        self.stats.reset_to(stats)  # calibration runs are not traffic
+        log.info("calibration: eager overhead %.2f ms, %.3f us per patch: padding above %d patches runs eagerly",
+                 (eager_small - graph_small) * 1e3, per_patch * 1e6, self.padding_threshold)
+
+    def _run(self, items: Sequence[VisualInput], force_eager: bool) -> list[ItemOutput]:
+        outs = []
+        for batch in self.pack_items(items):
+            if force_eager:
+                batch.reason = "calibration"
+            outs += self.run_batch(batch, [items[i] for i in batch.items])
+        return outs
 
     def pack_items(self, items: Sequence[VisualInput]) -> list[Batch]:
-        return pack([self.pack_item(it) for it in items], self.plan, graphs=self.use_graphs)
+        return pack([self.pack_item(it) for it in items], self.plan)
 
     def pack_item(self, item: VisualInput) -> PackItem:
         t, h, w = item.grid_thw
@@ -74,14 +118,29 @@ class GraphRunner:
         """Run one packed batch; `items` are the batch's own items, in `batch.items` order."""
         grids = [it.grid_thw for it in items]
         pixels = concat_pixels([it.pixels for it in items])
-        key = batch.key
-        if key is not None and key in self.pool.graphs:
-            out = self.pool.replay(key, pixels, grids)
+        reason = batch.reason or self.eager_reason(batch, grids)
+        if reason is None:
+            out = self.pool.replay(batch.key, pixels, grids)
         else:
-            reason = batch.reason or ("capture_failed" if key in self.pool.failed else "graphs_disabled")
             out = self.eager(pixels, grids)
             self.stats.record_eager(reason, len(items))
         return split(out, [it.num_patches // self.plan.merge_unit for it in items])
+
+    def eager_reason(self, batch: Batch, grids: list) -> str | None:
+        """Why a packed batch cannot (or should not) replay its graph, or None to replay."""
+        if not self.use_graphs:
+            return "graphs_disabled"
+        if batch.key in self.pool.failed:
+            return "capture_failed"
+        graph = self.pool.graphs.get(batch.key)
+        if graph is None:
+            return "no_graph"
+        if not graph.capacity.fits(self.tower.required_capacity(grids)):
+            return "layout_capacity"  # e.g. more Qwen2.5-VL windows than the class holds
+        waste = graph.capacity.patches - sum(t * h * w for t, h, w in grids)
+        if waste > self.padding_threshold:
+            return "padding"
+        return None
 
     def eager(self, pixels: np.ndarray | torch.Tensor, grids: list) -> TowerOutput:
         cap = self.tower.required_capacity(grids)

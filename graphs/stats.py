@@ -29,6 +29,14 @@ class PoolStats:
             self.eager_items[reason] += items
             self.eager_batches += 1
 
+    def reset_to(self, snapshot: dict) -> None:
+        """Restore the traffic counters of an `as_dict()` snapshot (after internal calibration runs)."""
+        with self._lock:
+            self.graph_items = snapshot["graph_items"]
+            self.eager_items = Counter(snapshot["eager_items"])
+            self.eager_batches = snapshot["eager_batches"]
+            self.replays = Counter(snapshot["replays"])
+
     @property
     def hit_rate(self) -> float:
         total = self.graph_items + sum(self.eager_items.values())

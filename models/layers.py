@@ -26,15 +26,15 @@ class PatchEmbed(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """Normalise in float32, cast, then scale: the reference's rounding, in torch's fused kernel."""
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -72,18 +72,26 @@ class Rotary2D(nn.Module):
         self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos: [P, 2] integer (row, col) -> cos, sin: [P, head_dim] float32."""
-        freqs = (pos.float()[..., None] * self.inv_freq).flatten(1)  # [P, 2 * quarter/2]
+        """pos: [P, 2] integer (row, col) -> cos, signed sin: [P, 1, 1, head_dim] float32.
+
+        The sign of rotate_half is folded into sin (first half negated), so that applying the
+        rotation is x*cos + roll(x)*sin: three kernels for q and k together.
+        """
+        freqs = (pos.float()[..., None] * self.inv_freq).flatten(1)  # [P, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        half = freqs.shape[-1]
+        sin = emb.sin()
+        sin[:, :half].neg_()
+        return emb.cos()[:, None, None], sin[:, None, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [P, H, D]; rotation in float32 as the reference does, cast back."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """qk: [P, 2, H, D] (queries and keys). Math in float32 as the reference does, result in qk's dtype.
+
+    rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, and the sign lives in `sin`.
+    """
+    out = torch.empty_like(qk)
+    return torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, dims=-1), sin, out=out)
 
 
 class Attention(nn.Module):
@@ -98,9 +106,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = packed_attention(self.backend, q, k, v, cu_seqlens, max_seqlen)
+        qkv = self.qkv(x).view(n, 3, self.heads, -1)
+        q, k = apply_rotary(qkv[:, :2], cos, sin).unbind(1)
+        out = packed_attention(self.backend, q, k, qkv[:, 2], cu_seqlens, max_seqlen)
         return self.proj(out.reshape(n, -1))
 
 

@@ -24,15 +24,30 @@ from models.tower import QwenTower
 
 
 class GatedMlp(nn.Module):
+    """SwiGLU. After loading, gate and up projections share one weight so a single GEMM computes
+    both; the checkpoint's parameter names stay as views into it."""
+
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
+        self.hidden = hidden
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
         self.act = activation(act)
+        self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fuse(self) -> None:
+        weight = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        bias = torch.cat([self.gate_proj.bias.data, self.up_proj.bias.data])
+        self.gate_proj.weight.data, self.up_proj.weight.data = weight[: self.hidden], weight[self.hidden :]
+        self.gate_proj.bias.data, self.up_proj.bias.data = bias[: self.hidden], bias[self.hidden :]
+        self.fused = (weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = torch.nn.functional.linear(x, *self.fused).split(self.hidden, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Qwen2_5VisionTower(QwenTower):
@@ -58,6 +73,11 @@ class Qwen2_5VisionTower(QwenTower):
     @property
     def out_hidden_size(self) -> int:
         return self.config.out_hidden_size
+
+    def reset_buffers(self) -> None:
+        super().reset_buffers()
+        for blk in self.blocks:
+            blk.mlp.fuse()
 
     # ---- CPU half -------------------------------------------------------------------------
     def _windows(self, grids: Sequence[Grid]) -> tuple[np.ndarray, np.ndarray]:

@@ -240,6 +240,30 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
     return rows
 
 
+def profile(name: str, workload: str, out_path: Path, max_batch_tokens: int = 16384) -> None:
+    """Kernel-time breakdown of one graph-path workload (torch.profiler), for finding the gap to the floor."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    tower = load_tower(name, device="cuda", dtype="bfloat16")
+    runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower, max_batch_tokens=max_batch_tokens),
+                         use_graphs=False)
+    rng = np.random.default_rng(0)
+    items = [VisualInput("video" if t > 1 else "image",
+                         rng.integers(0, 256, (t * h * w, tower.processor.patch_dim), dtype=np.uint8), (t, h, w))
+             for t, h, w in workloads(tower.processor.patch_size)[workload]]
+    runner.encode(items)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.encode(items)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    with open(out_path, "a") as f:
+        f.write(f"== {name} {workload} (eager path, same kernels as the graph)\n{table}\n")
+    del runner, tower
+    torch.cuda.empty_cache()
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'model':22} {'workload':14} {'HF ms':>8} {'graph ms':>9} {'eager ms':>9} {'floor ms':>9} "
           f"{'xHF':>6} {'/floor':>7} {'MFU':>5} {'hit':>5}")

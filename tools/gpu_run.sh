@@ -10,3 +10,9 @@ if [ "${BENCH:-1}" = 1 ]; then
 run(sys.argv[1].split(','), Path('$OUT'), only=(sys.argv[2].split(',') if sys.argv[2] else None))" \
     "${MODELS:-random:qwen2-vl-7b,random:qwen2.5-vl-7b,random:qwen3-vl-8b}" "${ONLY:-}" 2>&1 | tee "$OUT/bench.log"
 fi
+if [ -n "${PROFILE:-}" ]; then
+  for spec in $PROFILE; do
+    python3 -c "import sys; from pathlib import Path; from service.bench import profile; \
+profile(sys.argv[1], sys.argv[2], Path('$OUT/profile.txt'))" "${spec%%@*}" "${spec##*@}" 2>&1 | tail -3
+  done
+fi

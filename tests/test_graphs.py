@@ -1,0 +1,187 @@
+"""The graph pool on the CPU backend: packing properties, static-buffer refresh and padding,
+fallback reasons, capture failures. The same scenarios run on the GPU in test_cuda_graphs.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphs.budgets import BudgetError, BudgetPlan, GraphKey, auto_budgets
+from graphs.packing import PackItem, pack
+from graphs.runner import GraphRunner, plan_for
+from models import VisualInput, load_tower
+
+CPU = torch.device("cpu")
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def make_items(tower, grids, seed=0, modality="image"):
+    rng = np.random.default_rng(seed)
+    return [VisualInput(modality, rng.integers(0, 256, (t * h * w, tower.processor.patch_dim), dtype=np.uint8),
+                        (t, h, w)) for t, h, w in grids]
+
+
+# ---- budgets --------------------------------------------------------------------------------
+def test_auto_budgets_are_powers_of_two_plus_the_maximum():
+    assert auto_budgets(16384) == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert auto_budgets(1000) == [64, 128, 256, 512, 1000]
+    plan = BudgetPlan.create(max_batch_tokens=1000)
+    assert plan.max_items == 64 and plan.max_budget == 1000
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_batch_tokens=0), "max-batch-tokens"),
+    (dict(budgets=[0, 64]), "budgets"),
+    (dict(max_items=65), "max-batch-items"),
+    (dict(t_capture=0), "t-capture"),
+])
+def test_invalid_settings_are_refused_with_the_flag_to_change(kwargs, message):
+    with pytest.raises(BudgetError, match=message):
+        BudgetPlan.create(**kwargs)
+
+
+def test_every_key_capacity_is_consistent():
+    plan = BudgetPlan.create(max_batch_tokens=4096, windows=True, window_patches=64)
+    keys = plan.keys()
+    assert len(keys) == len(set(keys))
+    assert [plan.capacity(k).patches for k in keys] == sorted((plan.capacity(k).patches for k in keys), reverse=True)
+    for key in keys:
+        cap = plan.capacity(key)
+        assert cap.patches == key.budget * 4 and 1 <= cap.segments and cap.max_seqlen <= cap.patches
+        assert cap.windows >= cap.segments
+
+
+# ---- packing ---------------------------------------------------------------------------------
+item_strategy = st.builds(
+    lambda t, h, w, video: PackItem(tokens=(t if video else 1) * h * w, modality="video" if video else "image",
+                                    segments=t if video else 1, segment_patches=4 * h * w),
+    st.integers(1, 12), st.integers(1, 40), st.integers(1, 40), st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(item_strategy, max_size=60), st.sampled_from([256, 1000, 4096]), st.integers(1, 64))
+def test_packing_properties(items, max_tokens, max_items):
+    plan = BudgetPlan.create(max_batch_tokens=max_tokens, max_items=min(max_items, 64))
+    batches = pack(items, plan)
+    seen = sorted(i for b in batches for i in b.items)
+    assert seen == list(range(len(items)))  # every item exactly once
+    for b in batches:
+        members = [items[i] for i in b.items]
+        if b.key is None:
+            assert len(members) == 1 and b.reason in {"over_budget", "t_capture", "segment_too_long"}
+            continue
+        cap = plan.capacity(b.key)
+        assert b.tokens == sum(m.tokens for m in members) <= b.key.budget
+        assert len(members) <= plan.max_items
+        assert sum(m.segments for m in members) <= cap.segments
+        assert all(m.modality == b.key.modality for m in members)
+        assert all(plan.length_class(m.segment_patches) == b.key.length_class for m in members)
+        assert all(m.segments <= plan.t_capture for m in members if m.modality == "video")
+        smaller = [x for x in plan.budgets if x < b.key.budget and b.key.length_class in plan.length_classes(x)]
+        assert all(x < b.tokens or plan.capacity(GraphKey(b.key.modality, x, b.key.length_class)).segments
+                   < b.segments for x in smaller)  # the smallest budget that holds it
+    assert [(b.key, b.items) for b in pack(items, plan)] == [(b.key, b.items) for b in batches]
+
+
+def test_oversize_and_long_videos_run_alone_and_eagerly():
+    plan = BudgetPlan.create(max_batch_tokens=256, t_capture=4)
+    items = [PackItem(300, "image", 1, 1200), PackItem(40, "video", 5, 32), PackItem(40, "video", 4, 40)]
+    batches = pack(items, plan)
+    reasons = {b.items[0]: b.reason for b in batches if b.key is None}
+    assert reasons == {0: "over_budget", 1: "t_capture"}
+
+
+# ---- the pool on the CPU backend ----------------------------------------------------------------
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def runner(request):
+    tower = load_tower(request.param, device="cpu", dtype="float32")
+    r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256, t_capture=4))
+    r.capture()
+    return r
+
+
+def solo(runner, item):
+    return runner.eager(item.pixels, [item.grid_thw])
+
+
+def test_results_come_back_in_caller_order_and_match_eager(runner):
+    m = runner.tower.merge
+    rng = np.random.default_rng(3)
+    for trial in range(12):
+        count = int(rng.integers(1, 9))
+        grids = [(1, m * int(rng.integers(1, 10)), m * int(rng.integers(1, 10))) for _ in range(count)]
+        items = make_items(runner.tower, grids, trial)
+        outs = runner.encode(items)
+        for it, out in zip(items, outs):
+            ref = solo(runner, it)
+            assert out.embeds.shape == ref.embeds.shape
+            assert rel_err(out.embeds, ref.embeds) < 1e-5
+            for a, b in zip(out.deepstack, ref.deepstack):
+                assert rel_err(a, b) < 1e-5
+    assert runner.stats.graph_items > 0
+
+
+def test_equal_tokens_different_boundaries_share_a_graph_and_stay_right(runner):
+    m = runner.tower.merge
+    a = make_items(runner.tower, [(1, 4 * m, 4 * m), (1, 4 * m, 4 * m)], 1)
+    b = make_items(runner.tower, [(1, 2 * m, 4 * m), (1, 6 * m, 4 * m)], 2)
+    assert sum(i.num_patches for i in a) == sum(i.num_patches for i in b)
+    for items in (a, b, a):
+        for it, out in zip(items, runner.encode(items)):
+            assert rel_err(out.embeds, solo(runner, it).embeds) < 1e-5
+
+
+def test_small_then_large_then_small(runner):
+    m = runner.tower.merge
+    small = make_items(runner.tower, [(1, 2 * m, 3 * m)], 4)
+    large = make_items(runner.tower, [(1, 10 * m, 12 * m), (1, 8 * m, 8 * m)], 5)
+    first = runner.encode(small)[0].embeds
+    runner.encode(large)
+    assert torch.equal(runner.encode(small)[0].embeds, first)
+    assert rel_err(first, solo(runner, small[0]).embeds) < 1e-5
+
+
+def test_images_and_videos_together_with_fallback_reasons(runner):
+    m = runner.tower.merge
+    before = dict(runner.stats.eager_items)
+    video_ok = make_items(runner.tower, [(3, 2 * m, 2 * m)], 6, "video")
+    video_long = make_items(runner.tower, [(6, 2 * m, 2 * m)], 7, "video")  # t > t_capture (4)
+    huge = make_items(runner.tower, [(1, 18 * m, 16 * m)], 8)  # 288 tokens > 256
+    image = make_items(runner.tower, [(1, 3 * m, 3 * m)], 9)
+    items = video_ok + video_long + huge + image
+    for it, out in zip(items, runner.encode(items)):
+        assert rel_err(out.embeds, solo(runner, it).embeds) < 1e-5
+    after = runner.stats.eager_items
+    assert after["t_capture"] == before.get("t_capture", 0) + 1
+    assert after["over_budget"] == before.get("over_budget", 0) + 1
+    assert any(k.startswith("video/") for k in runner.stats.replays)
+
+
+def test_injected_capture_failure_is_served_eagerly():
+    tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
+    r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=128), modalities=("image",))
+    broken = GraphKey("image", 64, 64)
+    r.pool.fail_capture_for.add(broken)
+    r.capture()
+    assert broken in r.pool.failed and "injected" in r.stats.as_dict()["capture_failures"][str(broken)]
+    items = make_items(tower, [(1, 4, 4)], 10)
+    assert r.pack_items(items)[0].key == broken
+    assert rel_err(r.encode(items)[0].embeds, solo(r, items[0]).embeds) < 1e-6
+    assert r.stats.eager_items["capture_failed"] == 1
+
+
+def test_graphs_off_still_batches():
+    tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
+    r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=128), use_graphs=False)
+    items = make_items(tower, [(1, 4, 4)] * 5, 11)
+    outs = r.encode(items)
+    assert r.stats.eager_batches == 1 and r.stats.eager_items["graphs_disabled"] == 5
+    for it, out in zip(items, outs):
+        assert rel_err(out.embeds, solo(r, it).embeds) < 1e-5
