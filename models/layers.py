@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import packed_attention
+from models.kernels import apply_rotary
 
 
 class PatchEmbed(nn.Module):
@@ -26,7 +27,7 @@ class PatchEmbed(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Normalise in float32, cast, then scale: the reference's rounding, in torch's fused kernel."""
+    """Normalise in float32, round to the input dtype, then scale, as the reference does."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -34,7 +35,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # torch's kernel accumulates in float32 and rounds once to x's dtype, as the reference does.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -83,15 +85,6 @@ class Rotary2D(nn.Module):
         sin = emb.sin()
         sin[:, :half].neg_()
         return emb.cos()[:, None, None], sin[:, None, None]
-
-
-def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """qk: [P, 2, H, D] (queries and keys). Math in float32 as the reference does, result in qk's dtype.
-
-    rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, and the sign lives in `sin`.
-    """
-    out = torch.empty_like(qk)
-    return torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, dims=-1), sin, out=out)
 
 
 class Attention(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 
 from models.attention import resolve_backend
 from models.config import ProcessorConfig
+from models.kernels import enable_triton
 from models.presets import PRESETS, Preset
 from models.qwen2_5_vl import Qwen2_5VisionTower
 from models.qwen2_vl import Qwen2VisionTower
@@ -71,6 +72,7 @@ def load_tower(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     backend = resolve_backend(attention, dev)
+    enable_triton(dev)
     if model in PRESETS:
         tower = _random_tower(model, PRESETS[model], dev, dt, backend, seed)
     else:

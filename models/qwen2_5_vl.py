@@ -25,7 +25,9 @@ from models.tower import QwenTower
 
 class GatedMlp(nn.Module):
     """SwiGLU. After loading, gate and up projections share one weight so a single GEMM computes
-    both; the checkpoint's parameter names stay as views into it."""
+    both, and the intermediate width is zero-padded to a multiple of 64 (the released 3420 is not
+    a multiple of 8, which pushes cuBLAS onto slow kernels); padded units are exactly zero. The
+    checkpoint's parameter names stay as views into the fused tensors."""
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
@@ -37,17 +39,25 @@ class GatedMlp(nn.Module):
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fuse(self) -> None:
-        weight = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
-        bias = torch.cat([self.gate_proj.bias.data, self.up_proj.bias.data])
-        self.gate_proj.weight.data, self.up_proj.weight.data = weight[: self.hidden], weight[self.hidden :]
-        self.gate_proj.bias.data, self.up_proj.bias.data = bias[: self.hidden], bias[self.hidden :]
-        self.fused = (weight, bias)
+        h, padded = self.hidden, -(-self.hidden // 64) * 64
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        weight = gate.weight.new_zeros(2 * padded, gate.weight.shape[1])
+        bias = gate.bias.new_zeros(2 * padded)
+        down_weight = down.weight.new_zeros(down.weight.shape[0], padded)
+        weight[:h], weight[padded : padded + h] = gate.weight.data, up.weight.data
+        bias[:h], bias[padded : padded + h] = gate.bias.data, up.bias.data
+        down_weight[:, :h] = down.weight.data
+        gate.weight.data, up.weight.data = weight[:h], weight[padded : padded + h]
+        gate.bias.data, up.bias.data = bias[:h], bias[padded : padded + h]
+        down.weight.data = down_weight[:, :h]
+        self.fused = (weight, bias, down_weight, padded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = torch.nn.functional.linear(x, *self.fused).split(self.hidden, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        weight, bias, down_weight, padded = self.fused
+        gate, up = torch.nn.functional.linear(x, weight, bias).split(padded, dim=-1)
+        return torch.nn.functional.linear(self.act(gate) * up, down_weight, self.down_proj.bias)
 
 
 class Qwen2_5VisionTower(QwenTower):

@@ -64,11 +64,14 @@ def test_full_size_bf16_parity_with_transformers(full_runner):
     got = torch.cat([o.embeds for o in ours])
     ours_err, hf_err = rel_err(got, ref), rel_err(hf_bf16, ref)
     print(f"{tower.name}: ours bf16 vs fp32 reference {ours_err:.2e}; transformers bf16 vs the same {hf_err:.2e}")
-    assert ours_err <= 1e-2
+    # Random full-size weights amplify bf16 rounding: transformers' own bf16 forward lands near 1.5e-2
+    # from the float32 result, so the bound is 1e-2 or transformers' own bf16 error, whichever is larger.
+    bound = max(1e-2, 1.1 * hf_err)
+    assert ours_err <= bound
     for j, feat in enumerate(ref_ds):
-        assert rel_err(torch.cat([o.deepstack[j] for o in ours]), feat) <= 1e-2
+        assert rel_err(torch.cat([o.deepstack[j] for o in ours]), feat) <= bound
     eager = full_runner.eager(pixels, grids).embeds
-    assert rel_err(eager, ref) <= 1e-2
+    assert rel_err(eager, ref) <= bound
 
 
 def test_equal_tokens_different_boundaries(full_runner):
@@ -145,3 +148,15 @@ def test_injected_capture_failure_serves_eagerly():
     out = runner.encode(items)[0].embeds
     assert rel_err(out, runner.eager(items[0].pixels, [(1, 16, 16)]).embeds) <= 1e-3
     assert runner.stats.eager_items["capture_failed"] == 1
+
+
+def test_triton_rotary_matches_torch():
+    from models import kernels
+
+    assert kernels.enable_triton(DEV), "Triton rotary kernel did not enable on the GPU machine"
+    for heads, dim in [(16, 80), (16, 72), (4, 16)]:
+        qkv = torch.randn(1000, 3, heads, dim, device=DEV).to(torch.bfloat16)
+        cos, sin = torch.rand(1000, dim, device=DEV)[:, None, None], torch.rand(1000, dim, device=DEV)[:, None, None]
+        fast = kernels.rotary_triton(qkv[:, :2], cos, sin)
+        ref = kernels.rotary_torch(qkv[:, :2], cos, sin)
+        assert rel_err(fast, ref) < 1e-3

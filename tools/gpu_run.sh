@@ -4,7 +4,7 @@ set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -m cuda -x ${CUDA_TESTS:-tests/test_cuda_graphs.py} 2>&1 | tee "$OUT/cuda_tests.log"
+python3 -m pytest -q -m cuda -s ${CUDA_TESTS:-tests/test_cuda_graphs.py} 2>&1 | tee "$OUT/cuda_tests.log"
 if [ "${BENCH:-1}" = 1 ]; then
   python3 -c "import sys; from pathlib import Path; from service.bench import run; \
 run(sys.argv[1].split(','), Path('$OUT'), only=(sys.argv[2].split(',') if sys.argv[2] else None))" \
