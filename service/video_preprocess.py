@@ -396,7 +396,7 @@ class _PatchWriter:
         assert self._dst is not None and self.resized is not None
         p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
-        image = Image.fromarray(rgb, "RGB")
+        image = Image.fromarray(rgb)
         if image.size != (w, h):
             image = image.resize((w, h), Image.Resampling.BICUBIC)
         row = np.dtype((np.void, p))

@@ -351,11 +351,12 @@ class VideoReader:
 
     def _decode(self, wanted_positions: list[int], sink: FrameSink) -> None:
         pts_to_pos = {int(self._frame_pts[p]): p for p in wanted_positions}
-        pending = set(pts_to_pos)
+        order = sorted(pts_to_pos)
+        pending = set(order)
         ctx = self._ctx
         next_packet = -1  # decode-order index of the next packet to send; -1: decoder not started
         drained = False
-        for pts in sorted(pts_to_pos):
+        for k, pts in enumerate(order):
             if pts not in pending:
                 continue
             start = self._start_packet(pts)
@@ -365,8 +366,14 @@ class VideoReader:
                     ctx.flush_buffers()
                 self.stats["jumps"] += 1
                 next_packet, drained, self._decoder_used = start, False, True
+            target_packet = self._packet_of_pts[pts]
             while pts in pending:
-                if next_packet < len(self._packets):
+                # Once the wanted frame's packet is in, the frame only waits in the reorder / thread
+                # queue: drain it out rather than decode packets the next wanted frame skips anyway.
+                feed = next_packet < len(self._packets) and (
+                    next_packet <= target_packet or not self._jump_follows(order, k, pending, next_packet)
+                )
+                if feed:
                     packet = self._packets[next_packet]
                     next_packet += 1
                     # Only wanted frames must come out; unreferenced others need no decoding at all.
@@ -389,6 +396,14 @@ class VideoReader:
                         sink(pts_to_pos[frame_pts], self._to_rgb(frame))
             if not pending:
                 break
+
+    def _jump_follows(self, order: list[int], k: int, pending: set[int], next_packet: int) -> bool:
+        """Whether the decoder will jump (or stop) after the wanted frame order[k]: no later wanted
+        frame is pending, or the next one starts at a keyframe past the packets sent so far."""
+        for pts in order[k + 1 :]:
+            if pts in pending:
+                return self._start_packet(pts) > next_packet
+        return True
 
     def _to_rgb(self, frame: av.VideoFrame) -> np.ndarray:
         self._check_pixels(frame.width, frame.height)
