@@ -5,6 +5,8 @@ Run on the GPU machine: `pytest -m cuda`. Skipped without CUDA (tests/conftest.p
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -44,9 +46,26 @@ def full_runner(request):
     plan = plan_for(tower, max_batch_tokens=2048)
     runner = GraphRunner(tower, DEV, plan)
     runner.capture()
+    # The same weights in float32: the function both bf16 paths approximate.
+    exact = copy.deepcopy(tower).float()
+    exact.reset_buffers()
+    runner.exact = GraphRunner(exact, DEV, plan, use_graphs=False)
     yield runner
     del runner
     torch.cuda.empty_cache()
+
+
+def check_against_eager(runner, item, out, floor: float = 1e-2) -> None:
+    """A graph replay must be as close to the float32 result as the bf16 eager forward of the item
+    alone is. With these random full-size weights bf16 rounding alone gives 1-2e-2 (transformers'
+    bf16 forward shows the same), and a kernel of another shape rounds differently, so the bound is
+    1e-2 or twice the eager item's own bf16 error. Stale or foreign metadata gives errors near 1."""
+    exact = runner.exact.eager(item.pixels, [item.grid_thw]).embeds
+    eager = runner.eager(item.pixels, [item.grid_thw]).embeds
+    assert out.embeds.shape == eager.shape
+    assert torch.isfinite(out.embeds).all()
+    bound = max(floor, 2 * rel_err(eager, exact))
+    assert rel_err(out.embeds, exact) <= bound, (item.grid_thw, rel_err(out.embeds, exact), bound)
 
 
 def test_full_size_bf16_parity_with_transformers(full_runner):
@@ -83,8 +102,7 @@ def test_equal_tokens_different_boundaries(full_runner):
         batches = full_runner.pack_items(items)
         outs = full_runner.encode(items)
         for it, out in zip(items, outs):
-            solo = full_runner.eager(it.pixels, [it.grid_thw]).embeds
-            assert rel_err(out.embeds, solo) <= 1e-2
+            check_against_eager(full_runner, it, out)
         assert all(bt.key is not None for bt in batches)
     assert full_runner.stats.graph_items >= 6
 
@@ -94,12 +112,11 @@ def test_small_then_large_then_small(full_runner):
     tower = full_runner.tower
     small = make_items(tower, [(1, 8, 8)], 3)
     large = make_items(tower, [(1, 64, 64), (1, 40, 48)], 4)
-    expected = full_runner.eager(small[0].pixels, [small[0].grid_thw]).embeds
-    first = full_runner.encode(small)[0].embeds
+    first = full_runner.encode(small)[0]
     full_runner.encode(large)
     again = full_runner.encode(small)[0].embeds
-    assert rel_err(first, expected) <= 1e-2
-    assert torch.equal(first, again)
+    check_against_eager(full_runner, small[0], first)
+    assert torch.equal(first.embeds, again)
 
 
 def test_random_batches_match_eager(full_runner):
@@ -113,11 +130,10 @@ def test_random_batches_match_eager(full_runner):
         items = make_items(tower, grids, 100 + trial)
         outs = full_runner.encode(items)
         for it, out in zip(items, outs):
-            solo = full_runner.eager(it.pixels, [it.grid_thw]).embeds
-            assert out.embeds.shape == solo.shape
-            assert torch.isfinite(out.embeds).all()
-            assert rel_err(out.embeds, solo) <= 1e-2, (trial, it.grid_thw)
-    assert full_runner.stats.hit_rate > 0.9
+            check_against_eager(full_runner, it, out)
+    # Every batch replays a graph unless the calibrated padding rule judged eager cheaper.
+    assert full_runner.stats.graph_items > 200
+    assert set(full_runner.stats.eager_items) <= {"padding", "t_capture"}
 
 
 def test_images_and_videos_with_fallback_reasons(full_runner):
@@ -129,8 +145,7 @@ def test_images_and_videos_with_fallback_reasons(full_runner):
     before = dict(full_runner.stats.eager_items)
     outs = full_runner.encode(short + long + images)
     for it, out in zip(short + long + images, outs):
-        solo = full_runner.eager(it.pixels, [it.grid_thw]).embeds
-        assert rel_err(out.embeds, solo) <= 1e-2
+        check_against_eager(full_runner, it, out)
     assert full_runner.stats.eager_items["t_capture"] == before.get("t_capture", 0) + 1
     assert any(k.startswith("video/") for k in full_runner.stats.replays)
 
