@@ -1,0 +1,167 @@
+"""The `vitserve` command: `serve` (HTTP server), `encode` (offline batch encoding), `bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from models.presets import DEFAULT_MODEL, PRESETS
+
+log = logging.getLogger("vitserve")
+
+
+def load_media(path: Path, cfg, max_image_pixels: int | None = None):
+    """A local file the user named -> VisualInput (image by its magic bytes, else video)."""
+    from service.media.images import sniff_format
+    from service.preprocess import preprocess_image_bytes
+    from service.video_preprocess import preprocess_video_bytes
+
+    data = path.read_bytes()
+    if sniff_format(data) is not None:
+        return preprocess_image_bytes(data, cfg)
+    return preprocess_video_bytes(data, cfg)
+
+
+def add_encode_parser(sub) -> None:
+    p = sub.add_parser("encode", help="encode local images/videos into a safetensors file",
+                       description="Offline batch encoding through the same graph pool the server uses.")
+    p.add_argument("inputs", nargs="+", type=Path, metavar="FILE")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or preset ({', '.join(PRESETS)})")
+    p.add_argument("--output", "-o", type=Path, required=True, help="safetensors file to write")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="model dtype: auto | bfloat16 | float16 | float32")
+    p.add_argument("--output-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--t-capture", type=int, default=8)
+    p.add_argument("--eager", action="store_true", help="bypass the graph pool")
+    p.add_argument("--stats", action="store_true", help="print the pool statistics as one JSON line at the end")
+    p.add_argument("--workers", type=int, default=4, help="decode/preprocess threads")
+    p.set_defaults(func=run_encode)
+
+
+def run_encode(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from graphs.budgets import BudgetError
+    from graphs.runner import GraphRunner, plan_for
+    from models import CheckpointError, load_tower
+    from service.media.errors import MediaError
+
+    missing = [str(p) for p in args.inputs if not p.is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        tower = load_tower(args.model, device=args.device, dtype=args.dtype)
+        plan = plan_for(tower, max_batch_tokens=args.max_batch_tokens, t_capture=args.t_capture)
+    except (CheckpointError, BudgetError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def prepare(path: Path):
+        try:
+            return load_media(path, tower.processor)
+        except MediaError as exc:
+            return exc
+        except OSError as exc:
+            return MediaError(reason=f"cannot read: {exc.strerror or exc}", code="unreadable")
+
+    with ThreadPoolExecutor(max(1, args.workers)) as pool:
+        items = list(pool.map(prepare, args.inputs))
+    bad = [(p, e) for p, e in zip(args.inputs, items) if isinstance(e, Exception)]
+    for path, exc in bad:
+        print(f"error: {path}: {exc.reason} [{exc.code}]", file=sys.stderr)
+    if bad:
+        return 2
+
+    device = next(tower.parameters()).device
+    runner = GraphRunner(tower, device, plan, use_graphs=not args.eager)
+    runner.capture()
+    out_dtype = getattr(torch, args.output_dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    start = time.perf_counter()
+    progress = _progress(len(items))
+    for batch in runner.pack_items(items):
+        outs = runner.run_batch(batch, [items[i] for i in batch.items])
+        for i, out in zip(batch.items, outs):
+            tensors[f"embeds.{i}"] = out.embeds.to(out_dtype).cpu().contiguous()
+            tensors[f"grid_thw.{i}"] = torch.tensor([items[i].grid_thw], dtype=torch.int64)
+            for j, feat in enumerate(out.deepstack):
+                tensors[f"deepstack.{i}.{j}"] = feat.to(out_dtype).cpu().contiguous()
+        progress(len(batch.items))
+    elapsed = time.perf_counter() - start
+    metadata = {"model": args.model, "family": tower.family, "dtype": args.output_dtype,
+                "inputs": json.dumps([str(p) for p in args.inputs])}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(args.output), metadata=metadata)
+    for i, (path, item) in enumerate(zip(args.inputs, items)):
+        print(f"{i}\t{path}\t{item.modality}\tgrid_thw={list(item.grid_thw)}\t"
+              f"tokens={item.num_tokens(tower.merge)}\tshape={list(tensors[f'embeds.{i}'].shape)}")
+    print(f"wrote {args.output}: {len(items)} inputs in {elapsed:.2f}s", file=sys.stderr)
+    if args.stats:
+        print(json.dumps(runner.stats.as_dict()))
+    return 0
+
+
+def _progress(total: int):
+    """A stderr progress bar for long runs (tqdm when present), silent for a handful of inputs."""
+    if total < 16 or not sys.stderr.isatty():
+        return lambda n: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda n: None
+    bar = tqdm(total=total, unit="item", file=sys.stderr)
+    return bar.update
+
+
+def add_bench_parser(sub) -> None:
+    from service.bench import DEFAULT_MODELS
+
+    p = sub.add_parser("bench", help="engine vs transformers side by side on one GPU",
+                       description="Graphs on, graphs off and transformers eager on the same inputs, "
+                                   "with the floor and MFU; writes bench.json and bench.png.")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of presets")
+    p.add_argument("--workloads", default="", help="comma list (default: all)")
+    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from service.bench import run
+
+    if not torch.cuda.is_available():
+        print("error: vitserve bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    run(args.models.split(","), args.out, args.max_batch_tokens,
+        args.workloads.split(",") if args.workloads else None)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vitserve", description="Vision-encoding inference server for Qwen-VL")
+    parser.add_argument("--log-level", default="warning", help="logging level for encode and bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from service.server import add_serve_parser
+
+    add_serve_parser(sub)
+    add_encode_parser(sub)
+    add_bench_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""`vitserve encode` end to end: real files, the same graph path as the server, errors without tracebacks."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from models import load_tower
+from service.preprocess import preprocess_image_bytes
+
+SAMPLE = Path(__file__).resolve().parents[1] / "service" / "assets" / "sample.jpg"
+
+
+def vitserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_encode_writes_embeddings_equal_to_the_tower(tmp_path):
+    png = tmp_path / "small.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 130, 4), dtype=np.uint8), "RGBA").save(png)
+    out = tmp_path / "out.safetensors"
+    done = vitserve("encode", "--model", "tiny-qwen3-vl", "--stats", "-o", str(out), str(SAMPLE), str(png))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith(f"0\t{SAMPLE}\timage\tgrid_thw=") and lines[1].startswith(f"1\t{png}")
+    stats = json.loads(lines[-1])
+    assert stats["graph_items"] == 2 and stats["captured_graphs"] > 0
+    tower = load_tower("tiny-qwen3-vl", device="cpu")
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+        assert meta["model"] == "tiny-qwen3-vl" and json.loads(meta["inputs"]) == [str(SAMPLE), str(png)]
+        for i, path in enumerate([SAMPLE, png]):
+            item = preprocess_image_bytes(path.read_bytes(), tower.processor)
+            cap = tower.required_capacity([item.grid_thw])
+            metadata = {k: torch.from_numpy(v) for k, v in tower.build_metadata([item.grid_thw], cap).items()}
+            with torch.no_grad():
+                ref = tower(torch.from_numpy(item.pixels), metadata, cap)
+            assert f.get_tensor(f"grid_thw.{i}").tolist() == [list(item.grid_thw)]
+            assert torch.allclose(f.get_tensor(f"embeds.{i}"), ref.embeds, rtol=1e-4, atol=1e-5)
+            assert torch.allclose(f.get_tensor(f"deepstack.{i}.1"), ref.deepstack[1], rtol=1e-4, atol=1e-5)
+
+
+def test_encode_reports_bad_inputs_by_name_without_traceback(tmp_path):
+    truncated = tmp_path / "cut.jpg"
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), "red").save(buf, "JPEG")
+    truncated.write_bytes(buf.getvalue()[:100])
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    done = vitserve("encode", "-o", str(tmp_path / "o.safetensors"), str(truncated), str(text),
+                    str(tmp_path / "missing.png"))
+    assert done.returncode == 2
+    assert "missing.png" in done.stderr and "Traceback" not in done.stderr
+    done = vitserve("encode", "-o", str(tmp_path / "o.safetensors"), str(truncated), str(text))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"{truncated}:" in done.stderr and f"{text}:" in done.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    done = vitserve("encode", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "o.st"), str(SAMPLE))
+    assert done.returncode == 2 and "not a preset name" in done.stderr and "Traceback" not in done.stderr
