@@ -1,0 +1,151 @@
+"""Engine results -> response bodies: JSON (float, base64 or vLLM content parts) or one safetensors file.
+
+These run in the worker pool, never on the event loop: serialising megabytes of floats is CPU work.
+
+vLLM layout (`encoding_format: "vllm"`), for a vLLM server started with `--enable-mm-embeds`:
+`{"type": "image_embeds", "image_embeds": {"image_embeds": <b64>, "image_grid_thw": <b64>}}` where
+each value is base64 of `torch.save(tensor)` (what `vllm.utils.serial_utils.tensor2base64` makes).
+`image_embeds` is [tokens, hidden], with Qwen3-VL's DeepStack layers concatenated after the main
+embedding along hidden (vLLM splits them back by the model's hidden size). `image_grid_thw` is ONE
+item's grid as an int64 tensor of shape [3]: vLLM's Qwen2-VL field config declares
+`image_grid_thw` a batched field, and its chat parser stacks the per-part grids into [n, 3] (and
+concatenates the per-part embeddings, a flat field). Videos use `video_embeds` / `video_grid_thw`
+the same way. The content part carries `uuid` = the item's id when it has one.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+from service.engine import ItemResult
+
+SAFETENSORS_MEDIA_TYPE = "application/vnd.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def raw_base64(t: torch.Tensor) -> str:
+    """Row-major little-endian bytes of the tensor, base64."""
+    t = t.detach().contiguous().cpu()
+    if sys.byteorder != "little" and t.element_size() > 1:
+        raise RuntimeError("big-endian hosts are not supported")
+    return base64.b64encode(t.view(torch.uint8).numpy().tobytes()).decode("ascii")
+
+
+def torch_b64(t: torch.Tensor) -> str:
+    """base64 of `torch.save(t)`: the tensor serialisation vLLM's chat API accepts."""
+    buf = io.BytesIO()
+    torch.save(t.detach().contiguous().cpu(), buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def float_rows(t: torch.Tensor) -> list[list[float]]:
+    # Values of the requested dtype, exactly representable as float64 JSON numbers.
+    return t.detach().cpu().to(torch.float64).tolist()
+
+
+def grid_tensor(r: ItemResult) -> torch.Tensor:
+    return torch.tensor(r.grid_thw, dtype=torch.int64)
+
+
+def vllm_content_part(r: ItemResult) -> dict[str, Any]:
+    assert r.joined is not None
+    kind = "image" if r.modality == "image" else "video"
+    part: dict[str, Any] = {
+        "type": f"{kind}_embeds",
+        f"{kind}_embeds": {
+            f"{kind}_embeds": torch_b64(r.joined),
+            f"{kind}_grid_thw": torch_b64(grid_tensor(r)),
+        },
+    }
+    if r.id is not None:
+        part["uuid"] = r.id
+    return part
+
+
+def video_fields(r: ItemResult) -> dict[str, Any]:
+    if r.modality != "video":
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("timestamps", "second_per_grid_ts", "fps"):
+        value = r.meta.get(key)
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        elif hasattr(value, "tolist"):  # numpy arrays and scalars
+            value = value.tolist()
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out
+
+
+def item_entry(r: ItemResult, fmt: str, dtype: str, include_deepstack: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"index": r.index, "type": r.modality}
+    if r.id is not None:
+        entry["id"] = r.id
+    entry.update(grid_thw=list(r.grid_thw), num_tokens=r.num_tokens, shape=list(r.embeds.shape), dtype=dtype)
+    if fmt == "vllm":
+        entry["content_part"] = vllm_content_part(r)
+    else:
+        encode = float_rows if fmt == "float" else raw_base64
+        entry["embedding"] = encode(r.embeds)
+        if include_deepstack:
+            entry["deepstack"] = [encode(d) for d in r.deepstack]
+    entry.update(video_fields(r))
+    return entry
+
+
+def usage(results: Sequence[ItemResult]) -> dict[str, int]:
+    return {
+        "images": sum(r.modality == "image" for r in results),
+        "videos": sum(r.modality == "video" for r in results),
+        "patches": sum(r.num_patches for r in results),
+        "tokens": sum(r.num_tokens for r in results),
+    }
+
+
+def json_body(results: Sequence[ItemResult], *, request_id: str, model: str, fmt: str, dtype: str,
+              include_deepstack: bool) -> bytes:
+    body = {
+        "id": request_id,
+        "model": model,
+        "data": [item_entry(r, fmt, dtype, include_deepstack) for r in results],
+        "usage": usage(results),
+    }
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+def safetensors_body(results: Sequence[ItemResult], *, request_id: str, model: str, dtype: str,
+                     include_deepstack: bool, family: str = "") -> bytes:
+    """`embeds.<i>` [tokens, D], `grid_thw.<i>` [1, 3] int64, `deepstack.<i>.<j>`; metadata names the
+    model and describes the inputs (JSON in the `inputs` entry)."""
+    tensors: dict[str, torch.Tensor] = {}
+    inputs = []
+    for r in results:
+        i = r.index
+        tensors[f"embeds.{i}"] = r.embeds.contiguous()
+        tensors[f"grid_thw.{i}"] = grid_tensor(r).reshape(1, 3)
+        if include_deepstack:
+            for j, d in enumerate(r.deepstack):
+                tensors[f"deepstack.{i}.{j}"] = d.contiguous()
+        inputs.append({"index": i, "type": r.modality, "id": r.id, "grid_thw": list(r.grid_thw),
+                       "num_tokens": r.num_tokens, **video_fields(r)})
+    metadata = {
+        "format": "pt",
+        "model": model,
+        "family": family,
+        "id": request_id,
+        "dtype": dtype,
+        "inputs": json.dumps(inputs, separators=(",", ":")),
+        "usage": json.dumps(usage(results), separators=(",", ":")),
+    }
+    return save(tensors, metadata=metadata)

@@ -1,0 +1,584 @@
+"""The engine: admission, the queues and continuous batching into the graph runner.
+
+One dedicated thread owns the device and is the only caller of `GraphRunner.run_batch`. Whenever it
+is free it takes everything queued (images and videos alike: packing groups by modality itself),
+waiting at most `max_wait_ms` after the oldest item arrived for a batch to fill, packs it and runs
+the batches, converting each item's output to the requested dtype on the host before handing it
+back. The asyncio side only enqueues under a short lock and awaits futures: it never waits on the
+device. Decoding and preprocessing run in a thread pool (PIL, numpy and PyAV release the GIL).
+Items of one request may land in different batches; each has its own future, so the request
+reassembles them in order. Items whose request went away (timeout, disconnect) are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from graphs.runner import GraphRunner, ItemOutput, plan_for
+from models.config import ProcessorConfig, VisualInput
+from service.media.errors import MediaError
+from service.metrics import Metrics
+from service.settings import ServeSettings
+
+log = logging.getLogger("vitserve.engine")
+
+Modality = Literal["image", "video"]
+IMAGE_OPTIONS = ("min_pixels", "max_pixels")
+VIDEO_OPTIONS = ("fps", "nframes", "min_frames", "max_frames", "video_start", "video_end", "min_pixels",
+                 "max_pixels", "total_pixels")
+
+
+# ---- errors the HTTP layer maps to statuses --------------------------------------------------
+class EngineError(Exception):
+    code = "internal"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code:
+            self.code = code
+
+
+class ItemError(EngineError):
+    """One item cannot be used (422); `index` is its position in the request."""
+
+    def __init__(self, index: int, message: str, code: str) -> None:
+        super().__init__(message, code)
+        self.index = index
+
+
+class RequestRejected(EngineError):
+    """The request as a whole is invalid for this server (422)."""
+
+
+class Overloaded(EngineError):
+    """Admission refused: too much queued or in flight (429)."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NotReady(EngineError):
+    """Still loading, draining or stopped (503)."""
+
+    code = "not_ready"
+
+
+class EngineFailure(EngineError):
+    """The device run failed (500); the traceback is logged under `error_id`."""
+
+    def __init__(self, message: str, error_id: str) -> None:
+        super().__init__(message, "engine_failure")
+        self.error_id = error_id
+
+
+# ---- units of work ---------------------------------------------------------------------------
+@dataclass
+class MediaItem:
+    """What the HTTP layer hands over: one item's bytes and its preprocessing options."""
+
+    index: int
+    modality: Modality
+    data: bytes
+    options: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What the response needs from each item, produced on the host by the engine thread."""
+
+    dtype: torch.dtype = torch.float32
+    deepstack: bool = False  # per-layer DeepStack tensors
+    joined: bool = False  # main embedding and DeepStack concatenated along hidden (vLLM's layout)
+    ec_cache: bool = False  # the joined tensor in the served dtype, for items that carry an id
+
+
+@dataclass
+class ItemResult:
+    index: int
+    modality: Modality
+    id: str | None
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    num_tokens: int
+    meta: dict[str, Any]
+    embeds: torch.Tensor  # host, [tokens, D], spec dtype
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+    joined: torch.Tensor | None = None
+    ec_cache: torch.Tensor | None = None
+    preprocess_s: float = 0.0
+    queue_s: float = 0.0
+    gpu_s: float = 0.0
+
+
+@dataclass(eq=False)
+class _Work:
+    item: MediaItem
+    visual: VisualInput
+    tokens: int
+    spec: OutputSpec
+    want_ec: bool
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    preprocess_s: float
+    enqueued: float = 0.0
+    cancelled: bool = False  # set on the event loop, read by the engine thread
+
+
+# ---- the engine ------------------------------------------------------------------------------
+class Engine:
+    def __init__(self, settings: ServeSettings, metrics: Metrics | None = None,
+                 runner: GraphRunner | None = None, on_fatal: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.runner: GraphRunner | None = runner
+        self.on_fatal = on_fatal
+        self.state = "starting"  # starting -> ready -> draining -> stopped, or failed
+        self.load_error: str | None = None
+        self.started_at = time.time()
+        self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vitserve-pre")
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[_Work]] = {"image": deque(), "video": deque()}
+        self._queued_items = 0
+        self._queued_tokens = 0
+        self._inflight = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self, background: bool = True) -> None:
+        """Load weights and capture graphs (in a thread, so health and readiness answer meanwhile)."""
+        if background:
+            threading.Thread(target=self._load, name="vitserve-load", daemon=True).start()
+        else:
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            if self.runner is None:
+                self.runner = self._build_runner()
+            self.metrics.attach_pool(self.runner.stats)
+            self._thread = threading.Thread(target=self._run, name="vitserve-engine", daemon=True)
+            self._thread.start()
+            with self._cond:
+                if self.state == "starting":
+                    self.state = "ready"
+            self.metrics.ready.set(1 if self.state == "ready" else 0)
+            log.info("ready: %s", self.describe())
+        except Exception as exc:  # any start-up failure is fatal: say why and let the server exit
+            self.state = "failed"
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ValueError):  # bad checkpoint or settings: the message says it all
+                log.error("start-up failed: %s", self.load_error)
+            else:
+                log.exception("start-up failed: %s", self.load_error)
+            if self.on_fatal:
+                self.on_fatal(self.load_error)
+
+    def _build_runner(self) -> GraphRunner:
+        from models.loader import load_tower, resolve_device
+
+        s = self.settings
+        t0 = time.perf_counter()
+        tower = load_tower(s.model, device=s.device, dtype=s.dtype)
+        device = resolve_device(s.device)
+        plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
+        runner = GraphRunner(tower, device, plan, use_graphs=not s.eager)
+        log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
+                 time.perf_counter() - t0, "no" if s.eager else len(plan.keys(runner.modalities)))
+        runner.capture()
+        return runner
+
+    def describe(self) -> str:
+        r = self.runner
+        if r is None:
+            return self.state
+        return (f"{self.settings.model_name} {getattr(r.tower, 'family', '?')} "
+                f"dtype={self.served_dtype} device={r.device} graphs={len(r.pool.graphs)}")
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def begin_drain(self) -> None:
+        """Refuse new work from now on; work already admitted runs to completion."""
+        with self._cond:
+            changed = self.state in ("starting", "ready")
+            if changed:
+                self.state = "draining"
+        self.metrics.ready.set(0)
+        if changed:
+            log.info("draining: %d request(s) in flight, %d item(s) queued", self._inflight, self._queued_items)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no request is in flight (False if `timeout` passed first)."""
+        deadline = time.monotonic() + timeout
+        while self._inflight > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            if self.state != "failed":
+                self.state = "stopped"
+            self._cond.notify_all()
+        self.metrics.ready.set(0)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- admission ---------------------------------------------------------------------------
+    def check_accepting(self) -> None:
+        if self.state == "ready":
+            return
+        if self.state == "starting":
+            raise NotReady("the server is starting: weights loading or graphs capturing", "starting")
+        if self.state == "draining":
+            raise NotReady("the server is shutting down", "draining")
+        raise NotReady(f"the server is not serving ({self.state})", self.state)
+
+    def _check_admitted(self) -> None:
+        if self.state not in ("ready", "draining"):
+            self.check_accepting()
+
+    @contextmanager
+    def request_slot(self) -> Iterator[None]:
+        """One of `--max-concurrent-requests` slots for the request's whole life, else 429."""
+        if self._inflight >= self.settings.max_concurrent_requests:
+            raise Overloaded(f"{self._inflight} requests in flight, the limit is "
+                             f"{self.settings.max_concurrent_requests}")
+        self._inflight += 1
+        self.metrics.inflight.set(self._inflight)
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            self.metrics.inflight.set(self._inflight)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def processor(self) -> ProcessorConfig:
+        if self.runner is None:
+            raise NotReady("the server is starting", "starting")
+        return self.runner.tower.processor
+
+    @property
+    def served_dtype(self) -> torch.dtype | None:
+        if self.runner is None:
+            return None
+        return next(self.runner.tower.parameters()).dtype
+
+    # ---- the request path (event loop) -------------------------------------------------------
+    async def encode(self, items: Sequence[MediaItem], spec: OutputSpec) -> list[ItemResult]:
+        """Preprocess, admit, queue and await `items`. Called by requests that already hold a slot, so
+        a drain that began meanwhile does not refuse them: it waits for them."""
+        self._check_admitted()
+        runner = self.runner
+        assert runner is not None
+        loop = asyncio.get_running_loop()
+        prepared = await self._preprocess_all(items, loop)
+        merge_unit = runner.plan.merge_unit
+        tokens = [v.num_patches // merge_unit for v, _ in prepared]
+        total = sum(tokens)
+        limit = self.settings.queue_tokens_limit
+        if total > limit:
+            raise RequestRejected(f"the request needs {total} tokens, above the queue limit of {limit} "
+                                  "(--max-queued-tokens): send fewer or smaller items", "too_many_tokens")
+        works = [
+            _Work(it, v, n, spec, spec.ec_cache and it.id is not None, loop.create_future(), loop, dt)
+            for it, (v, dt), n in zip(items, prepared, tokens)
+        ]
+        with self._cond:
+            self._check_admitted()
+            if self._queued_tokens + total > limit:
+                raise Overloaded(f"the queue holds {self._queued_tokens} tokens; {total} more would pass "
+                                 f"the limit of {limit}")
+            now = time.monotonic()
+            for w in works:
+                w.enqueued = now
+                self._queues[w.visual.modality].append(w)
+            self._queued_items += len(works)
+            self._queued_tokens += total
+            self._publish_queue()
+            self._cond.notify()
+        try:
+            return list(await asyncio.gather(*(w.future for w in works)))
+        except BaseException:
+            for w in works:  # the engine skips these; their futures are dropped
+                w.cancelled = True
+                if not w.future.done():
+                    w.future.cancel()
+            raise
+
+    async def _preprocess_all(self, items: Sequence[MediaItem],
+                              loop: asyncio.AbstractEventLoop) -> list[tuple[VisualInput, float]]:
+        cfg = self.processor
+        jobs = [loop.run_in_executor(self.pool, self._preprocess, it, cfg) for it in items]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for res in results:  # report the first bad item by index
+            if isinstance(res, BaseException):
+                raise res
+        return results  # type: ignore[return-value]
+
+    def _preprocess(self, item: MediaItem, cfg: ProcessorConfig) -> tuple[VisualInput, float]:
+        t0 = time.perf_counter()
+        try:
+            if item.modality == "image":
+                visual = self._preprocess_image(item, cfg)
+            else:
+                visual = self._preprocess_video(item, cfg)
+        except MediaError as exc:
+            raise ItemError(item.index, exc.reason, exc.code) from None
+        dt = time.perf_counter() - t0
+        self.metrics.preprocess_seconds.observe(dt)
+        return visual, dt
+
+    def _preprocess_image(self, item: MediaItem, cfg: ProcessorConfig) -> VisualInput:
+        from service.preprocess import preprocess_image_bytes
+
+        opts = _options(item, IMAGE_OPTIONS)
+        lo = opts.get("min_pixels", cfg.min_pixels)
+        hi = opts.get("max_pixels", cfg.max_pixels)
+        if hi > cfg.max_pixels:
+            raise ItemError(item.index, f"max_pixels {hi} is above this server's limit of {cfg.max_pixels}",
+                            "invalid_option")
+        if lo > hi:
+            raise ItemError(item.index, f"min_pixels {lo} is above max_pixels {hi}", "invalid_option")
+        return preprocess_image_bytes(item.data, cfg, min_pixels=lo, max_pixels=hi)
+
+    def _preprocess_video(self, item: MediaItem, cfg: ProcessorConfig) -> VisualInput:
+        try:
+            from service.video_preprocess import preprocess_video_bytes
+        except ImportError:
+            raise ItemError(item.index, "video input is not available in this build", "unsupported_type") from None
+        opts = _options(item, VIDEO_OPTIONS)
+        v = cfg.video
+        caps = {"max_pixels": v.max_pixels, "total_pixels": v.total_pixels, "max_frames": v.max_frames,
+                "nframes": v.max_frames}
+        for name, cap in caps.items():
+            if name in opts and opts[name] > cap:
+                raise ItemError(item.index, f"{name} {opts[name]} is above this server's limit of {cap}",
+                                "invalid_option")
+        return preprocess_video_bytes(item.data, cfg, **opts)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _publish_queue(self) -> None:
+        self.metrics.queue_items.set(self._queued_items)
+        self.metrics.queue_tokens.set(self._queued_tokens)
+
+    def _take(self) -> list[_Work] | None:
+        """Block until work is queued, let a batch fill for at most max_wait_ms, take it all."""
+        max_wait = self.settings.max_wait_ms / 1000
+        full = self.runner.plan.max_budget if self.runner else self.settings.max_batch_tokens
+        with self._cond:
+            while not self._queued_items and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            oldest = min(q[0].enqueued for q in self._queues.values() if q)
+            while self._queued_tokens < full and not self._stopping:
+                remaining = oldest + max_wait - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            work = [w for q in self._queues.values() for w in q]
+            work.sort(key=lambda w: w.enqueued)
+            for q in self._queues.values():
+                q.clear()
+            self._queued_items = 0
+            self._queued_tokens = 0
+            self._publish_queue()
+            return work
+
+    def _run(self) -> None:
+        while True:
+            work = self._take()
+            if work is None:
+                break
+            try:
+                self._process(work)
+            except Exception as exc:  # never let the loop die: fail what was taken, keep serving
+                error_id = _error_id()
+                log.exception("engine error %s", error_id)
+                for w in work:
+                    self._deliver(w, exc=EngineFailure(f"internal error {error_id}: {type(exc).__name__}", error_id))
+        self._fail_queued(NotReady("the server stopped", "stopped"))
+
+    def _fail_queued(self, exc: EngineError) -> None:
+        with self._cond:
+            work = [w for q in self._queues.values() for w in q]
+            for q in self._queues.values():
+                q.clear()
+            self._queued_items = self._queued_tokens = 0
+            self._publish_queue()
+        for w in work:
+            self._deliver(w, exc=exc)
+
+    def _process(self, work: list[_Work]) -> None:
+        runner = self.runner
+        assert runner is not None
+        live = [w for w in work if not w.cancelled]
+        if len(live) < len(work):
+            self.metrics.cancelled.inc(len(work) - len(live))
+        if not live:
+            return
+        taken = time.monotonic()
+        for w in live:
+            self.metrics.queue_seconds.observe(taken - w.enqueued)
+        delay = self.settings.batch_delay_ms / 1000
+        for batch in runner.pack_items([w.visual for w in live]):
+            members = [live[i] for i in batch.items]
+            if all(w.cancelled for w in members):
+                self.metrics.cancelled.inc(len(members))
+                continue
+            if delay:
+                time.sleep(delay)
+            t0 = time.perf_counter()
+            try:
+                outs = runner.run_batch(batch, [w.visual for w in members])
+                results = [self._to_host(w, out, taken) for w, out in zip(members, outs)]
+            except Exception as exc:
+                error_id = _error_id()
+                log.exception("batch %s of %d item(s) failed, error id %s", batch.key, len(members), error_id)
+                failure = EngineFailure(f"internal error {error_id}: {type(exc).__name__}", error_id)
+                for w in members:
+                    self._deliver(w, exc=failure)
+                continue
+            gpu_s = time.perf_counter() - t0
+            self.metrics.gpu_seconds.observe(gpu_s)
+            self.metrics.batch_tokens.observe(batch.tokens)
+            self.metrics.batch_items.observe(len(members))
+            for w, res in zip(members, results):
+                res.gpu_s = gpu_s
+                self.metrics.items.labels(w.visual.modality).inc()
+                self.metrics.tokens.inc(w.tokens)
+                self._deliver(w, result=res)
+
+    def _to_host(self, w: _Work, out: ItemOutput, taken: float) -> ItemResult:
+        """Requested dtype and layout, copied to the host here so the event loop never syncs."""
+        spec = w.spec
+        parts = [out.embeds, *out.deepstack]
+        joined = torch.cat(parts, dim=-1) if len(parts) > 1 else out.embeds
+        v = w.visual
+        return ItemResult(
+            index=w.item.index,
+            modality=v.modality,
+            id=w.item.id,
+            grid_thw=tuple(int(x) for x in v.grid_thw),  # type: ignore[arg-type]
+            num_patches=v.num_patches,
+            num_tokens=w.tokens,
+            meta=dict(v.meta),
+            embeds=_host(out.embeds, spec.dtype),
+            deepstack=[_host(d, spec.dtype) for d in out.deepstack] if spec.deepstack else [],
+            joined=_host(joined, spec.dtype) if spec.joined else None,
+            ec_cache=_host(joined, joined.dtype) if w.want_ec else None,
+            preprocess_s=w.preprocess_s,
+            queue_s=taken - w.enqueued,
+        )
+
+    def _deliver(self, w: _Work, result: ItemResult | None = None, exc: BaseException | None = None) -> None:
+        try:
+            w.loop.call_soon_threadsafe(_settle, w.future, result, exc)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        s = self.settings
+        out: dict[str, Any] = {
+            "state": self.state,
+            "model": s.model_name,
+            "model_source": s.model,
+            "eager": s.eager,
+            "limits": {
+                "max_batch_tokens": s.max_batch_tokens,
+                "max_wait_ms": s.max_wait_ms,
+                "max_queued_tokens": s.queue_tokens_limit,
+                "max_concurrent_requests": s.max_concurrent_requests,
+                "max_payload_bytes": s.max_payload_bytes,
+                "max_items_per_request": s.max_items_per_request,
+                "request_timeout_s": s.request_timeout_s,
+                "allow_url": s.allow_url,
+                "allowed_hosts": s.allowed_hosts,
+            },
+            "ec_shared_storage": str(s.ec_shared_storage) if s.ec_shared_storage else None,
+        }
+        if self.load_error:
+            out["error"] = self.load_error
+        r = self.runner
+        if r is None:
+            return out
+        tower = r.tower
+        proc = tower.processor
+        out.update({
+            "family": getattr(tower, "family", None),
+            "dtype": str(self.served_dtype).removeprefix("torch."),
+            "device": str(r.device),
+            "out_hidden_size": tower.out_hidden_size,
+            "num_deepstack": tower.num_deepstack,
+            "merge_unit": tower.merge_unit,
+            "budgets": list(r.plan.budgets),
+            "max_batch_items": r.plan.max_items,
+            "t_capture": r.plan.t_capture,
+            "captured": sorted(str(k) for k in r.pool.graphs),
+            "capture_failures": {str(k): v for k, v in r.pool.failed.items()},
+            "processor": {
+                "patch_size": proc.patch_size,
+                "merge_size": proc.merge_size,
+                "temporal_patch_size": proc.temporal_patch_size,
+                "min_pixels": proc.min_pixels,
+                "max_pixels": proc.max_pixels,
+                "video": {"fps": proc.video.fps, "min_frames": proc.video.min_frames,
+                          "max_frames": proc.video.max_frames, "min_pixels": proc.video.min_pixels,
+                          "max_pixels": proc.video.max_pixels, "total_pixels": proc.video.total_pixels},
+            },
+            "pool": r.stats.as_dict(),
+        })
+        return out
+
+
+def _options(item: MediaItem, allowed: tuple[str, ...]) -> dict[str, Any]:
+    extra = sorted(set(item.options) - set(allowed))
+    if extra:
+        raise ItemError(item.index, f"option(s) {', '.join(extra)} do not apply to {item.modality} items",
+                        "invalid_option")
+    return {k: v for k, v in item.options.items() if v is not None}
+
+
+def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).contiguous().cpu()
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _error_id() -> str:
+    return "err-" + uuid.uuid4().hex[:12]

@@ -1,0 +1,79 @@
+"""Prometheus metrics of one server: a registry per app, so several apps can live in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from graphs.stats import PoolStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))
+ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# No `*_created` series: they double the exposition and dashboards never use them.
+disable_created_metrics()
+
+
+class PoolCollector(Collector):
+    """Graph hits/misses and eager items by reason, read from the runner's counters at scrape time."""
+
+    def __init__(self, stats: Callable[[], PoolStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable:
+        stats = self._stats()
+        hits = CounterMetricFamily("vitserve_graph_hits", "Items served by a captured graph replay")
+        misses = CounterMetricFamily("vitserve_graph_misses", "Items run eagerly (no graph held them)")
+        eager = CounterMetricFamily("vitserve_eager_items", "Items run eagerly, by reason", labels=["reason"])
+        captured = GaugeMetricFamily("vitserve_graphs_captured", "Graphs in the pool")
+        failed = GaugeMetricFamily("vitserve_graph_capture_failures", "Graph keys whose capture failed")
+        if stats is not None:
+            data = stats.as_dict()
+            hits.add_metric([], data["graph_items"])
+            misses.add_metric([], sum(data["eager_items"].values()))
+            for reason, n in sorted(data["eager_items"].items()):
+                eager.add_metric([reason], n)
+            captured.add_metric([], data["captured_graphs"])
+            failed.add_metric([], len(data["capture_failures"]))
+        yield from (hits, misses, eager, captured, failed)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("vitserve_requests", "Requests to /encode by HTTP status", ["status"], registry=r)
+        self.request_seconds = Histogram("vitserve_request_duration_seconds", "Total /encode latency",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("vitserve_queue_duration_seconds", "Time an item waited in the queue",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.preprocess_seconds = Histogram("vitserve_preprocess_duration_seconds",
+                                            "Decoding and preprocessing time of one item",
+                                            buckets=LATENCY_BUCKETS, registry=r)
+        self.gpu_seconds = Histogram("vitserve_gpu_duration_seconds",
+                                     "Time of one batch on the device, results copied to the host",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_items = Gauge("vitserve_queue_items", "Items waiting for the engine", registry=r)
+        self.queue_tokens = Gauge("vitserve_queue_tokens", "Merged tokens waiting for the engine", registry=r)
+        self.inflight = Gauge("vitserve_requests_in_flight", "Requests being served", registry=r)
+        self.batch_tokens = Histogram("vitserve_batch_tokens", "Merged tokens per batch",
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_items = Histogram("vitserve_batch_items", "Items per batch", buckets=ITEM_BUCKETS, registry=r)
+        self.items = Counter("vitserve_items", "Items encoded, by modality", ["modality"], registry=r)
+        self.tokens = Counter("vitserve_tokens", "Merged tokens encoded", registry=r)
+        self.cancelled = Counter("vitserve_cancelled_items", "Queued items dropped (client gone or timed out)",
+                                 registry=r)
+        self.ready = Gauge("vitserve_ready", "1 when the server accepts work", registry=r)
+        self._pool_stats: PoolStats | None = None
+        r.register(PoolCollector(lambda: self._pool_stats))
+
+    def attach_pool(self, stats: PoolStats) -> None:
+        self._pool_stats = stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,154 @@
+"""Real servers on loopback for the HTTP tests: uvicorn in a thread (in-process) or in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import uvicorn
+from PIL import Image
+
+from service.app import create_app
+from service.engine import Engine
+from service.metrics import Metrics
+from service.settings import ServeSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_DEFAULTS: dict[str, Any] = dict(
+    model="tiny-qwen2-vl", device="cpu", dtype="float32", max_batch_tokens=1024, preprocess_workers=2,
+    log_level="warning", request_timeout_s=60,
+)
+
+
+def settings(**overrides: Any) -> ServeSettings:
+    return ServeSettings.from_sources({}, env={}, **{**TEST_DEFAULTS, **overrides})
+
+
+def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """A noisy picture (so every pixel matters) in an encoded format."""
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    arr = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    img = Image.fromarray(arr[..., 0] if channels == 1 else arr, mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `create_app(settings)` from a background thread, on a free loopback port."""
+
+    def __init__(self, cfg: ServeSettings, engine: Engine | None = None, wait_ready: bool = True) -> None:
+        self.settings = cfg
+        self.metrics = engine.metrics if engine else Metrics()
+        self.engine = engine or Engine(cfg, self.metrics)
+        self.app = create_app(cfg, engine=self.engine, metrics=self.metrics)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, name="test-uvicorn", daemon=True)
+        self.wait_ready = wait_ready
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self.sock]))
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        if self.wait_ready:
+            wait_ready(self.url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+
+def wait_ready(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+class SubprocessServer:
+    """`python -m service.server` in its own process (for signals), on a free loopback port."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, model: str | None = "tiny-qwen2-vl") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        defaults = ["--device", "cpu", "--dtype", "float32", "--max-batch-tokens", "1024",
+                    "--preprocess-workers", "2", "--log-level", "info", "--host", "127.0.0.1"]
+        if model is not None:
+            defaults += ["--model", model]
+        self.cmd = [sys.executable, "-m", "service.server", *defaults, "--port", str(self.port), *flags]
+        # Only this test's VITSERVE_* variables reach the server.
+        base = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+        self.env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> SubprocessServer:
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        wait_ready(self.url, proc=self.proc)
+        return self
+
+    def run_to_exit(self, timeout: float = 60) -> tuple[int, str]:
+        """For settings the server must refuse: run it and return (exit code, output)."""
+        proc = subprocess.run(self.cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    def terminate(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 60) -> tuple[int, str]:
+        assert self.proc is not None
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=30)

@@ -1,0 +1,163 @@
+"""Auth, admission (429), timeouts (504), internal failures (500), disconnects, readiness and /info."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from service.engine import Engine
+from tests.http_helpers import ServerThread, b64, image_bytes, settings
+
+IMAGE = image_bytes(200, 150, seed=3)  # 35 tokens with tiny-qwen2-vl
+BODY = {"items": [{"type": "image", "image": b64(IMAGE)}]}
+
+
+def metric(client: httpx.Client, name: str, labels: str = "") -> float:
+    text = client.get("/metrics").text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_for(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.02)
+
+
+def post_in_background(url: str, pool: ThreadPoolExecutor, body=BODY, headers=None):
+    return pool.submit(lambda: httpx.post(url + "/encode", json=body, headers=headers, timeout=60))
+
+
+def test_api_key():
+    with ServerThread(settings(api_key="s3cret")) as srv, srv.client() as c:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic s3cret"},
+                        {"Authorization": "s3cret"}):
+            r = c.post("/encode", json=BODY, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert r.json()["error"]["type"] == "unauthorized"
+        assert c.post("/encode", json=BODY, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.post("/encode", json=BODY, headers={"Authorization": "bearer s3cret"}).status_code == 200
+        for path in ("/health", "/ready", "/metrics"):
+            assert c.get(path).status_code == 200
+        assert c.get("/info").status_code == 401
+        info = c.get("/info", headers={"Authorization": "Bearer s3cret"}).json()
+        assert "s3cret" not in str(info) and info["settings"]["api_key_set"] is True
+
+
+def test_429_when_the_queue_is_full():
+    cfg = settings(max_queued_tokens=100, batch_delay_ms=1000, max_wait_ms=0)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(4) as pool:
+        busy = post_in_background(srv.url, pool)
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 1 and metric(c, "vitserve_queue_items") == 0)
+        queued = [post_in_background(srv.url, pool) for _ in range(2)]  # 70 tokens queued
+        wait_for(lambda: metric(c, "vitserve_queue_tokens") == 70)
+        r = c.post("/encode", json=BODY)  # 70 + 35 > 100
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "overloaded"
+        big = c.post("/encode", json={"items": [{"type": "image", "image": b64(image_bytes(400, 400))}]})
+        assert big.status_code == 422 and big.json()["error"]["code"] == "too_many_tokens"
+        assert [f.result().status_code for f in [busy, *queued]] == [200, 200, 200]
+        assert c.post("/encode", json=BODY).status_code == 200
+
+
+def test_429_over_concurrent_requests():
+    cfg = settings(max_concurrent_requests=2, batch_delay_ms=800, max_wait_ms=0)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(2) as pool:
+        running = [post_in_background(srv.url, pool) for _ in range(2)]
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2)
+        r = c.post("/encode", json=BODY)
+        assert r.status_code == 429 and "retry-after" in r.headers
+        assert [f.result().status_code for f in running] == [200, 200]
+
+
+def test_504_and_the_timed_out_items_are_dropped():
+    cfg = settings(request_timeout_s=0.5, batch_delay_ms=1500, max_wait_ms=0)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(2) as pool:
+        first = post_in_background(srv.url, pool)
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 1)
+        second = post_in_background(srv.url, pool)  # queued behind the slow batch
+        for f in (first, second):
+            r = f.result()
+            assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        # The engine skips the second request's item instead of running it for nobody.
+        wait_for(lambda: metric(c, "vitserve_cancelled_items_total") >= 1)
+        assert c.get("/health").status_code == 200
+
+
+def test_500_is_logged_with_an_id_and_the_server_recovers(caplog):
+    with ServerThread(settings()) as srv, srv.client() as c:
+        runner = srv.engine.runner
+        original = runner.run_batch
+        calls = []
+
+        def failing(batch, items):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected device failure")
+            return original(batch, items)
+
+        runner.run_batch = failing
+        with caplog.at_level(logging.ERROR, logger="vitserve"):
+            r = c.post("/encode", json=BODY)
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "internal" and err["error_id"].startswith("err-")
+        assert "injected" not in err["message"]  # no internals leak to the client
+        logged = [rec for rec in caplog.records if err["error_id"] in rec.getMessage()]
+        assert logged and logged[0].exc_info is not None  # the traceback is in the log
+        assert c.post("/encode", json=BODY).status_code == 200
+
+
+def test_a_client_that_disconnects_has_its_queued_work_dropped():
+    cfg = settings(batch_delay_ms=1000, max_wait_ms=0)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(1) as pool:
+        busy = post_in_background(srv.url, pool)
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 1 and metric(c, "vitserve_queue_items") == 0)
+        doomed = [{"type": "image", "image": b64(image_bytes(100, 80, seed=9))}] * 3
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(srv.url + "/encode", json={"items": doomed}, timeout=0.4)
+        assert busy.result().status_code == 200
+        wait_for(lambda: metric(c, "vitserve_cancelled_items_total") == 3)
+        wait_for(lambda: metric(c, "vitserve_requests_total", '{status="499"}') == 1)
+        assert metric(c, "vitserve_items_total", '{modality="image"}') == 1  # only the busy request's item ran
+
+
+def test_ready_is_503_while_starting(monkeypatch):
+    release = threading.Event()
+    build = Engine._build_runner
+
+    def slow_build(self):
+        release.wait(30)
+        return build(self)
+
+    monkeypatch.setattr(Engine, "_build_runner", slow_build)
+    with ServerThread(settings(), wait_ready=False) as srv, srv.client() as c:
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
+        assert c.get("/health").json() == {"status": "ok", "state": "starting"}
+        r = c.post("/encode", json=BODY)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        release.set()
+        wait_for(lambda: c.get("/ready").status_code == 200)
+        assert c.post("/encode", json=BODY).status_code == 200
+
+
+def test_info():
+    cfg = settings(model="tiny-qwen3-vl", served_model_name="qwen3-tiny", budgets=[256, 1024], t_capture=4)
+    with ServerThread(cfg) as srv, srv.client() as c:
+        info = c.get("/info").json()
+    assert info["model"] == "qwen3-tiny" and info["family"] == "qwen3_vl"
+    assert info["dtype"] == "float32" and info["device"] == "cpu"
+    assert info["budgets"] == [256, 1024] and info["t_capture"] == 4
+    assert info["captured"] and all(k.split("/")[1] in ("b256", "b1024") for k in info["captured"])
+    assert info["num_deepstack"] == 2 and info["out_hidden_size"] == 80
+    assert info["limits"]["max_items_per_request"] == 64 and info["limits"]["max_payload_bytes"] == 64 * 2**20
+    assert info["version"] and info["state"] == "ready"
