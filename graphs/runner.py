@@ -51,11 +51,14 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
 
 class GraphRunner:
     def __init__(self, tower: VisionTower, device: torch.device, plan: BudgetPlan, use_graphs: bool = True,
-                 modalities: tuple[str, ...] = ("image", "video")) -> None:
+                 modalities: tuple[str, ...] = ("image", "video"), video_chunking: bool = False) -> None:
         self.tower = tower
         self.device = device
         self.plan = plan
         self.use_graphs = use_graphs
+        # Long videos: split into chunks of at most t_capture temporal patches, which keeps them on
+        # graphs. Exact, because no attention, merge or position term crosses a temporal patch.
+        self.video_chunking = video_chunking
         self.modalities = modalities
         self.stats = PoolStats()
         self.pool = GraphPool(tower, device, plan, self.stats)
@@ -116,6 +119,8 @@ class GraphRunner:
 
     def run_batch(self, batch: Batch, items: Sequence[VisualInput]) -> list[ItemOutput]:
         """Run one packed batch; `items` are the batch's own items, in `batch.items` order."""
+        if batch.reason in ("t_capture", "over_budget") and self.chunkable(items[0]):
+            return [self.encode_chunked(items[0])]
         grids = [it.grid_thw for it in items]
         pixels = concat_pixels([it.pixels for it in items])
         reason = batch.reason or self.eager_reason(batch, grids)
@@ -149,6 +154,23 @@ class GraphRunner:
         px = torch.as_tensor(pixels).to(self.device, non_blocking=True)
         with torch.inference_mode():
             return self.tower(px, meta, cap)
+
+    def chunkable(self, item: VisualInput) -> bool:
+        t, h, w = item.grid_thw
+        chunk_tokens = min(t, self.plan.t_capture) * h * w // self.plan.merge_unit
+        return (self.video_chunking and self.use_graphs and item.modality == "video" and t > 1
+                and chunk_tokens <= self.plan.max_budget)
+
+    def encode_chunked(self, video: VisualInput) -> ItemOutput:
+        """One long video as chunks of t_capture temporal patches (rows are t-major), re-joined."""
+        t, h, w = video.grid_thw
+        rows, step = h * w, self.plan.t_capture
+        chunks = [VisualInput("video", video.pixels[s * rows:(s + min(step, t - s)) * rows], (min(step, t - s), h, w))
+                  for s in range(0, t, step)]
+        outs = self.encode(chunks)
+        self.stats.record_chunked(len(chunks))
+        deepstack = [torch.cat([o.deepstack[j] for o in outs]) for j in range(len(outs[0].deepstack))]
+        return ItemOutput(torch.cat([o.embeds for o in outs]), deepstack)
 
     def encode(self, items: Sequence[VisualInput]) -> list[ItemOutput]:
         """All items, packed and run; results in the caller's order."""

@@ -13,6 +13,8 @@ class PoolStats:
     eager_items: Counter = field(default_factory=Counter)  # by reason
     replays: Counter = field(default_factory=Counter)  # by graph key
     eager_batches: int = 0
+    chunked_videos: int = 0  # long videos served as t_capture chunks through graphs
+    video_chunks: int = 0
     captured: int = 0
     capture_failures: dict = field(default_factory=dict)  # key -> error
     capture_seconds: float = 0.0
@@ -29,6 +31,11 @@ class PoolStats:
             self.eager_items[reason] += items
             self.eager_batches += 1
 
+    def record_chunked(self, chunks: int) -> None:
+        with self._lock:
+            self.chunked_videos += 1
+            self.video_chunks += chunks
+
     def reset_to(self, snapshot: dict) -> None:
         """Restore the traffic counters of an `as_dict()` snapshot (after internal calibration runs)."""
         with self._lock:
@@ -36,6 +43,7 @@ class PoolStats:
             self.eager_items = Counter(snapshot["eager_items"])
             self.eager_batches = snapshot["eager_batches"]
             self.replays = Counter(snapshot["replays"])
+            self.chunked_videos, self.video_chunks = snapshot["chunked_videos"], snapshot["video_chunks"]
 
     @property
     def hit_rate(self) -> float:
@@ -48,6 +56,8 @@ class PoolStats:
                 "graph_items": self.graph_items,
                 "eager_items": dict(self.eager_items),
                 "eager_batches": self.eager_batches,
+                "chunked_videos": self.chunked_videos,
+                "video_chunks": self.video_chunks,
                 "hit_rate": round(self.hit_rate, 4),
                 "replays": dict(self.replays),
                 "captured_graphs": self.captured,

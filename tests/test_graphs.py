@@ -185,3 +185,24 @@ def test_graphs_off_still_batches():
     assert r.stats.eager_batches == 1 and r.stats.eager_items["graphs_disabled"] == 5
     for it, out in zip(items, outs):
         assert rel_err(out.embeds, solo(r, it).embeds) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_video_chunking_equals_one_eager_pass(name):
+    """No attention, merge or position term crosses a temporal patch: chunks of t_capture re-join exactly."""
+    tower = load_tower(name, device="cpu", dtype="float32")
+    r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=512, t_capture=4), modalities=("video",),
+                    video_chunking=True)
+    r.capture()
+    m = tower.merge
+    videos = make_items(tower, [(11, 4 * m, 6 * m), (9, 3 * m, 3 * m), (3, 2 * m, 2 * m)], 12, "video")
+    outs = r.encode(videos)
+    for video, out in zip(videos, outs):
+        whole = r.eager(video.pixels, [video.grid_thw])
+        assert out.embeds.shape == whole.embeds.shape
+        assert rel_err(out.embeds, whole.embeds) < 1e-5
+        for a, b in zip(out.deepstack, whole.deepstack):
+            assert rel_err(a, b) < 1e-5
+    stats = r.stats.as_dict()
+    assert stats["chunked_videos"] == 2 and stats["video_chunks"] == 3 + 3
+    assert "t_capture" not in stats["eager_items"]

@@ -16,3 +16,7 @@ if [ -n "${PROFILE:-}" ]; then
 profile(sys.argv[1], sys.argv[2], Path('$OUT/profile.txt'))" "${spec%%@*}" "${spec##*@}" 2>&1 | tail -3
   done
 fi
+if [ -n "${CHUNKING:-}" ]; then
+  python3 -c "import sys; from pathlib import Path; from service.bench import bench_chunking; \
+bench_chunking(sys.argv[1], Path('$OUT/chunking.jsonl'))" "$CHUNKING" 2>&1 | grep -v RANDOM | tail -4
+fi
