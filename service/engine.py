@@ -196,8 +196,9 @@ class Engine:
 
         s = self.settings
         t0 = time.perf_counter()
-        tower = load_tower(s.model, device=s.device, dtype=s.dtype)
         device = resolve_device(s.device)
+        _bind_device(device)
+        tower = load_tower(s.model, device=s.device, dtype=s.dtype)
         plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
         runner = GraphRunner(tower, device, plan, use_graphs=not s.eager)
         log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
@@ -413,6 +414,8 @@ class Engine:
             return work
 
     def _run(self) -> None:
+        if self.runner is not None:
+            _bind_device(self.runner.device)
         while True:
             work = self._take()
             if work is None:
@@ -565,6 +568,12 @@ def _options(item: MediaItem, allowed: tuple[str, ...]) -> dict[str, Any]:
         raise ItemError(item.index, f"option(s) {', '.join(extra)} do not apply to {item.modality} items",
                         "invalid_option")
     return {k: v for k, v in item.options.items() if v is not None}
+
+
+def _bind_device(device: torch.device) -> None:
+    # The current CUDA device is per thread: the loading and engine threads must use the served one.
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
