@@ -62,7 +62,9 @@ class GraphRunner:
         self.modalities = modalities
         self.stats = PoolStats()
         self.pool = GraphPool(tower, device, plan, self.stats)
-        self.padding_threshold = float("inf")  # patches of padding above which eager wins; set by calibrate()
+        # Eager runs below this many patches are bound by kernel launches, not the GPU; set by calibrate().
+        # Until then (and on the CPU, where nothing is saved by a graph) every batch that fits replays.
+        self.launch_bound_patches = float("inf")
 
     def capture(self) -> None:
         if self.use_graphs:
@@ -71,9 +73,11 @@ class GraphRunner:
                 self.calibrate()
 
     def calibrate(self) -> None:
-        """Measure when padding costs more than launches: a replay computes its whole budget, an
-        eager run only the batch's patches but pays every kernel launch. Big, badly filled batches
-        are then served eagerly (reason "padding"); everything else replays."""
+        """Measure when padding costs more than launches. A replay costs its whole budget's GPU
+        time; an eager run costs the larger of its own patches' GPU time and the time to launch its
+        kernels (a constant: a small eager forward measures it). In patches: replay costs the
+        budget, eager costs max(patches, launch_bound_patches). Batches where eager is cheaper run
+        eagerly (reason "padding"); everything else replays."""
         merge = self.tower.merge
         side = 16 * merge  # 32x32-patch frames (28x28 with merge 2 would do as well)
         pixels = np.random.default_rng(0).integers(0, 256, (side * side, self.tower.processor.patch_dim), np.uint8)
@@ -97,10 +101,10 @@ class GraphRunner:
         graph_big = timed(lambda: self._run(big, force_eager=False))
         budget_patches = sum(b.key.budget for b in big_batches if b.key) * self.plan.merge_unit
         per_patch = graph_big / max(budget_patches, 1)
-        self.padding_threshold = max(0.0, eager_small - graph_small) / per_patch if per_patch > 0 else float("inf")
+        self.launch_bound_patches = eager_small / per_patch if per_patch > 0 else float("inf")
         self.stats.reset_to(stats)  # calibration runs are not traffic
-        log.info("calibration: eager overhead %.2f ms, %.3f us per patch: padding above %d patches runs eagerly",
-                 (eager_small - graph_small) * 1e3, per_patch * 1e6, self.padding_threshold)
+        log.info("calibration: small batch %.2f ms eager, %.2f ms replayed; %.3f us per patch: eager is launch-bound "
+                 "below %d patches", eager_small * 1e3, graph_small * 1e3, per_patch * 1e6, self.launch_bound_patches)
 
     def _run(self, items: Sequence[VisualInput], force_eager: bool) -> list[ItemOutput]:
         outs = []
@@ -142,8 +146,8 @@ class GraphRunner:
             return "no_graph"
         if not graph.capacity.fits(self.tower.required_capacity(grids)):
             return "layout_capacity"  # e.g. more Qwen2.5-VL windows than the class holds
-        waste = graph.capacity.patches - sum(t * h * w for t, h, w in grids)
-        if waste > self.padding_threshold:
+        patches = sum(t * h * w for t, h, w in grids)
+        if max(patches, self.launch_bound_patches) < 0.95 * graph.capacity.patches:  # 5%: prefer the graph on ties
             return "padding"
         return None
 
