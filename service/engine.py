@@ -200,7 +200,7 @@ class Engine:
         _bind_device(device)
         tower = load_tower(s.model, device=s.device, dtype=s.dtype)
         plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
-        runner = GraphRunner(tower, device, plan, use_graphs=not s.eager)
+        runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
         log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
                  time.perf_counter() - t0, "no" if s.eager else len(plan.keys(runner.modalities)))
         runner.capture()

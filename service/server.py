@@ -59,7 +59,8 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--url-timeout-s", dict(type=float, help="timeout of one URL fetch (default 10)")),
     ("--ec-shared-storage", dict(help="folder shared with vLLM's encoder-cache connector: items with an id are "
                                       "also written to PATH/<id>/encoder_cache.safetensors")),
-    ("--video-chunking", dict(help="video chunking mode (not implemented in this version: refused if set)")),
+    ("--video-chunking", dict(help="on | off (default off): serve videos longer than --t-capture as exact chunks "
+                                   "of t_capture temporal patches through graphs instead of eagerly")),
     ("--data-parallel", dict(type=int, help="encoder replicas in this process (only 1 is supported)")),
     ("--batch-delay-ms", dict(type=float, help=argparse.SUPPRESS)),  # test hook: a slow engine
 ]

@@ -21,6 +21,7 @@ ENV_PREFIX = "VITSERVE_"
 MIB = 1024 * 1024
 # Values of --video-chunking that mean "off" (the helm chart leaves the variable out for null).
 CHUNKING_OFF = {"", "off", "none", "false", "0"}
+CHUNKING_ON = {"on", "true", "1", "yes"}
 
 
 def default_workers() -> int:
@@ -71,7 +72,7 @@ class ServeSettings(BaseModel):
     allowed_hosts: list[str] = Field(default_factory=list)
     url_timeout_s: float = Field(10.0, gt=0)
     ec_shared_storage: Path | None = None
-    video_chunking: str | None = None
+    video_chunking: bool = False
     data_parallel: int = 1
     # Test hook: sleep this long before every batch (a slow engine for timeout and drain tests).
     batch_delay_ms: float = Field(0.0, ge=0)
@@ -104,8 +105,10 @@ class ServeSettings(BaseModel):
     @classmethod
     def _chunking(cls, value: Any) -> Any:
         if value is None or str(value).strip().lower() in CHUNKING_OFF:
-            return None
-        return str(value)
+            return False
+        if str(value).strip().lower() in CHUNKING_ON:
+            return True
+        raise ValueError(f"--video-chunking takes on or off, got {value!r}")
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeSettings:
@@ -113,11 +116,6 @@ class ServeSettings(BaseModel):
             raise ValueError(
                 f"--data-parallel {self.data_parallel} (VITSERVE_DATA_PARALLEL): only 1 is supported in this "
                 "version; run one server per GPU instead"
-            )
-        if self.video_chunking is not None:
-            raise ValueError(
-                f"--video-chunking {self.video_chunking!r} (VITSERVE_VIDEO_CHUNKING): video chunking is not "
-                "implemented in this version; leave it unset (or 'off')"
             )
         if self.allow_url and not self.allowed_hosts:
             raise ValueError("--allow-url needs --allowed-hosts (VITSERVE_ALLOWED_HOSTS): a list of host names")

@@ -55,4 +55,4 @@ def test_sigterm_drains_without_losing_accepted_requests():
 
 def test_bad_settings_exit_2_before_loading():
     code, log = SubprocessServer(env={"VITSERVE_VIDEO_CHUNKING": "auto"}).run_to_exit(timeout=60)
-    assert code == 2 and "video chunking is not implemented" in log and "loaded" not in log, log
+    assert code == 2 and "--video-chunking takes on or off" in log and "loaded" not in log, log

@@ -61,12 +61,13 @@ def test_flag_beats_variable_beats_default(monkeypatch):
     assert defaults.max_payload_bytes == 64 * 2**20 and defaults.max_items_per_request == 64
     assert defaults.max_wait_ms == 2 and defaults.queue_tokens_limit == 8 * defaults.max_batch_tokens
     assert ServeSettings.from_sources({}, env={"VITSERVE_BUDGETS": "auto"}).budgets is None
-    assert ServeSettings.from_sources({}, env={"VITSERVE_VIDEO_CHUNKING": "off"}).video_chunking is None
+    assert ServeSettings.from_sources({}, env={"VITSERVE_VIDEO_CHUNKING": "off"}).video_chunking is False
+    assert ServeSettings.from_sources({}, env={"VITSERVE_VIDEO_CHUNKING": "on"}).video_chunking is True
 
 
 @pytest.mark.parametrize("env,message", [
     ({"VITSERVE_DATA_PARALLEL": "2"}, "only 1 is supported"),
-    ({"VITSERVE_VIDEO_CHUNKING": "auto"}, "not implemented"),
+    ({"VITSERVE_VIDEO_CHUNKING": "auto"}, "takes on or off"),
     ({"VITSERVE_ALLOW_URL": "true"}, "--allow-url needs --allowed-hosts"),
     ({"VITSERVE_PORT": "eighty"}, "VITSERVE_PORT"),
     ({"VITSERVE_EAGER": "maybe"}, "VITSERVE_EAGER"),
