@@ -18,7 +18,7 @@ from graphs.packing import Batch, PackItem, pack
 from graphs.pool import GraphPool
 from graphs.stats import PoolStats
 from models.config import VisualInput
-from models.protocol import TowerOutput, VisionTower
+from models.protocol import CapacityError, TowerOutput, VisionTower
 
 log = logging.getLogger("vitserve.graphs")
 
@@ -79,7 +79,7 @@ class GraphRunner:
         budget, eager costs max(patches, launch_bound_patches). Batches where eager is cheaper run
         eagerly (reason "padding"); everything else replays."""
         merge = self.tower.merge
-        side = 16 * merge  # 32x32-patch frames (28x28 with merge 2 would do as well)
+        side = 16 * merge  # a 32x32-patch frame, a typical mid-sized image
         pixels = np.random.default_rng(0).integers(0, 256, (side * side, self.tower.processor.patch_dim), np.uint8)
         frame = VisualInput("image", pixels, (1, side, side))  # random, not zeros: zeros time faster
         count = max(1, min(self.plan.max_items, self.plan.max_budget // frame.num_tokens(merge)))
@@ -129,8 +129,11 @@ class GraphRunner:
         pixels = concat_pixels([it.pixels for it in items])
         reason = batch.reason or self.eager_reason(batch, grids)
         if reason is None:
-            out = self.pool.replay(batch.key, pixels, grids)
-        else:
+            try:
+                out = self.pool.replay(batch.key, pixels, grids)
+            except CapacityError:  # e.g. more Qwen2.5-VL windows than the class holds; nothing ran yet
+                reason = "layout_capacity"
+        if reason is not None:
             out = self.eager(pixels, grids)
             self.stats.record_eager(reason, len(items))
         return split(out, [it.num_patches // self.plan.merge_unit for it in items])
@@ -144,8 +147,6 @@ class GraphRunner:
         graph = self.pool.graphs.get(batch.key)
         if graph is None:
             return "no_graph"
-        if not graph.capacity.fits(self.tower.required_capacity(grids)):
-            return "layout_capacity"  # e.g. more Qwen2.5-VL windows than the class holds
         patches = sum(t * h * w for t, h, w in grids)
         if max(patches, self.launch_bound_patches) < 0.95 * graph.capacity.patches:  # 5%: prefer the graph on ties
             return "padding"

@@ -46,6 +46,10 @@ class Capacity:
         )
 
 
+class CapacityError(ValueError):
+    """A batch needs more of some capacity (segments, windows, patches) than a graph was captured with."""
+
+
 @dataclass
 class TowerOutput:
     """Merged tokens [tokens, out_hidden] in item order, and DeepStack features (Qwen3-VL)."""

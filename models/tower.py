@@ -13,7 +13,7 @@ from torch import nn
 from models.config import ProcessorConfig
 from models.layers import Normalize, PatchEmbed, Rotary2D
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
-from models.protocol import Capacity, Grid, TowerOutput
+from models.protocol import Capacity, CapacityError, Grid, TowerOutput
 
 
 def rope_theta(cfg: Any) -> float:
@@ -66,7 +66,7 @@ class QwenTower(nn.Module):
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
         need = self.required_capacity(grids)
         if not cap.fits(need):
-            raise ValueError(f"batch needs {need}, more than the capacity {cap}")
+            raise CapacityError(f"batch needs {need}, more than the capacity {cap}")
         return {
             "cu_seqlens": padded_cumsum(segment_lengths(grids), cap.segments),
             "pos_ids": rotary_positions(grids, self.merge, cap.patches),

@@ -206,3 +206,16 @@ def test_video_chunking_equals_one_eager_pass(name):
     stats = r.stats.as_dict()
     assert stats["chunked_videos"] == 2 and stats["video_chunks"] == 3 + 3
     assert "t_capture" not in stats["eager_items"]
+
+
+def test_more_windows_than_the_class_holds_falls_back_to_eager():
+    """Qwen2.5-VL: extreme aspect ratios have ~n/16 windows per frame, beyond the class's n/32 + 4."""
+    tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="float32")
+    r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("image",))
+    r.capture()
+    items = make_items(tower, [(1, 2, 250), (1, 2, 250)], 13)  # 1 x 125 tokens each: 32 windows each
+    batches = r.pack_items(items)
+    assert len(batches) == 1 and batches[0].key is not None
+    for it, out in zip(items, r.encode(items)):
+        assert rel_err(out.embeds, solo(r, it).embeds) < 1e-5
+    assert r.stats.eager_items["layout_capacity"] == 2
