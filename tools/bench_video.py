@@ -204,6 +204,8 @@ except Exception as exc:
     print(json.dumps({{"error": f"import failed: {{type(exc).__name__}}: {{exc}}"}})); sys.exit(0)
 backend = os.environ.get("FORCE_QWENVL_VIDEO_READER")
 try:
+    for _ in range({warmup}):
+        vp.fetch_video({{"video": {clip!r}}}, image_patch_size={patch})
     times = []
     for _ in range({runs}):
         t0 = time.perf_counter()
@@ -218,7 +220,14 @@ print(json.dumps(result))
 """
 
 
-def bench_qvu(clip: Path, extra_paths: list[str], runs: int, workdir: Path) -> dict[str, Any]:
+def bench_qvu(
+    clip: Path,
+    extra_paths: list[str],
+    runs: int,
+    workdir: Path,
+    backends: tuple[str, ...] = ("torchcodec", "decord", "torchvision"),
+    warmup: int = 1,
+) -> dict[str, Any]:
     """qwen-vl-utils fetch_video with each reader, in subprocesses (their imports stay out of ours)."""
     probe = subprocess.run(
         [sys.executable, "-c", "import torchvision"], capture_output=True, text=True, env=_env(extra_paths)
@@ -231,9 +240,11 @@ def bench_qvu(clip: Path, extra_paths: list[str], runs: int, workdir: Path) -> d
         (standin / "torchvision").mkdir(parents=True, exist_ok=True)
         (standin / "torchvision" / "__init__.py").write_text(TV_STANDIN)
         paths.insert(0, str(standin))
-    for backend in ("torchcodec", "decord", "torchvision"):
+    for backend in backends:
         dump = workdir / f"qvu_{backend}.pt"
-        code = QVU_RUNNER.format(paths=paths, runs=runs, clip=str(clip), patch=14, dump=str(dump))
+        code = QVU_RUNNER.format(
+            paths=paths, runs=runs, warmup=warmup, clip=str(clip), patch=14, dump=str(dump)
+        )
         env = _env(paths) | {"FORCE_QWENVL_VIDEO_READER": backend}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -241,6 +252,26 @@ def bench_qvu(clip: Path, extra_paths: list[str], runs: int, workdir: Path) -> d
         if "seconds" in out[backend]:
             out[backend]["dump"] = str(dump)
     return out
+
+
+def head_to_head(
+    data: bytes, clip: Path, extra_paths: list[str], rounds: int, workdir: Path
+) -> dict[str, Any]:
+    """Ours (Qwen2-VL) and qwen-vl-utils' default reader, alternated so background load hits both."""
+    ours, theirs = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        preprocess_video_bytes(data, CONFIGS["qwen2_vl"])
+        ours.append(time.perf_counter() - t0)
+        q = bench_qvu(clip, extra_paths, 1, workdir, backends=("torchcodec",))["torchcodec"]
+        if "seconds" not in q:
+            return {"error": q.get("error")}
+        theirs.append(q["seconds"])
+    return {
+        "ours_s": ours,
+        "qvu_torchcodec_s": theirs,
+        "ratio_of_medians": statistics.median(theirs) / statistics.median(ours),
+    }
 
 
 def _env(paths: list[str]) -> dict[str, str]:
@@ -306,6 +337,7 @@ def main() -> None:
             dump = results["qwen_vl_utils"].get(backend, {}).pop("dump", None)
             if dump:
                 results["qwen_vl_utils"][backend]["vs_ours"] = compare_frames(data, dump)
+        results["head_to_head"] = head_to_head(data, args.clip, args.qvu_path, args.runs, Path(tmp))
     text = json.dumps(results, indent=2, default=str)
     print(text)
     if args.json:
@@ -335,6 +367,12 @@ def _summary(r: dict[str, Any]) -> None:
         if isinstance(q, dict):
             took = f"{q['seconds'] * 1000:7.0f} ms  shape {q['shape']}" if "seconds" in q else q.get("error")
             print(f"qwen-vl-utils fetch_video [{backend:10}]:        {took}  {q.get('vs_ours', '')}")
+    h = r.get("head_to_head", {})
+    if "ours_s" in h:
+        print(
+            f"alternated, ours vs qwen-vl-utils (torchcodec): {h['ours_s']} vs {h['qvu_torchcodec_s']} s, "
+            f"ratio of medians {h['ratio_of_medians']:.2f}"
+        )
 
 
 def _cpu_name() -> str:
