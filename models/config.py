@@ -31,7 +31,7 @@ class VideoConfig:
     max_frames: int = 768
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
-    total_pixels: int = 24576 * 28 * 28
+    total_pixels: int = int(128000 * 28 * 28 * 0.9)  # qwen-vl-utils 0.0.14 default (VIDEO_TOTAL_PIXELS)
 
 
 @dataclass(frozen=True)
