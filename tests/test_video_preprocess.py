@@ -290,7 +290,7 @@ def test_range_hand_case() -> None:
 
 
 def test_qwen2_pixel_bounds_hand_cases() -> None:
-    total = 24576 * 28 * 28  # the config's default total_pixels
+    total = 24576 * 28 * 28  # an explicit total_pixels (the early qwen-vl-utils default)
     assert qwen2_frame_pixel_bounds(60, min_pixels=100352, frame_max_pixels=602112, total_pixels=total) == (
         100352,
         602112,  # 19267584 / 60 * 2 = 642252.8 is above the 768-token cap
@@ -322,7 +322,7 @@ def test_qwen2_pixel_bounds_match_reference(nframes, min_pixels, max_pixels, tot
         for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels), ("total_pixels", total_pixels))
         if v is not None
     }
-    total_default = 24576 * 28 * 28
+    total_default = 24576 * 28 * 28  # stands in for the config default; both sides get the same value
     expect = ref_qvu_max_pixels(ele, nframes, 28, total_default)
     _, got = qwen2_frame_pixel_bounds(
         nframes,
