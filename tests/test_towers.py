@@ -193,3 +193,19 @@ def test_metadata_is_host_only_and_padded(checkpoint):
     with pytest.raises(ValueError, match="capacity"):
         tower.build_metadata(GRIDS, type(need)(need.patches, need.segments - 1, need.windows,
                                                need.max_seqlen, need.max_window_seqlen))
+
+
+def test_video_parity_with_transformers(checkpoint):
+    """Videos through transformers' own video entry point (`get_video_features`): one segment per
+    temporal patch, frames repeated in position, DeepStack per frame."""
+    _, folder, reference = checkpoint
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    grids = [(4, 8, 12), (1, 6, 6), (3, 10, 6)]
+    pixels = random_pixels(tower, grids, 5)
+    ours = run_ours(tower, grids, pixels)
+    x = torch.from_numpy(tower.processor.normalize(pixels.numpy()))
+    with torch.no_grad():
+        out = reference.model.get_video_features(pixel_values_videos=x, video_grid_thw=torch.tensor(grids))
+    assert rel_err(ours.embeds, torch.cat(out.pooler_output)) <= 1e-5
+    for a, b in zip(ours.deepstack, getattr(out, "deepstack_features", None) or []):
+        assert rel_err(a, torch.cat(b)) <= 1e-5
