@@ -46,16 +46,20 @@ def full_runner(request):
     plan = plan_for(tower, max_batch_tokens=2048)
     runner = GraphRunner(tower, DEV, plan)
     runner.capture()
-    # The same weights in float32: the function both bf16 paths approximate.
+    runner.exact = GraphRunner(float32_copy(tower), DEV, plan, use_graphs=False)
+    yield runner
+    del runner
+    torch.cuda.empty_cache()
+
+
+def float32_copy(tower):
+    """The same weights in float32: the function both bf16 paths approximate."""
     exact = copy.deepcopy(tower).float()
     exact.reset_buffers()
     for module in exact.modules():  # FlashAttention has no float32 kernel: SDPA per segment
         if hasattr(module, "backend"):
             module.backend = "sdpa"
-    runner.exact = GraphRunner(exact, DEV, plan, use_graphs=False)
-    yield runner
-    del runner
-    torch.cuda.empty_cache()
+    return exact
 
 
 def check_against_eager(runner, item, out, floor: float = 1e-2) -> None:
@@ -185,12 +189,7 @@ def test_video_chunking_equals_eager_on_the_gpu():
     runner = GraphRunner(tower, DEV, plan_for(tower, max_batch_tokens=4096, t_capture=4), modalities=("video",),
                          video_chunking=True)
     runner.capture()
-    exact = copy.deepcopy(tower).float()
-    exact.reset_buffers()
-    for module in exact.modules():
-        if hasattr(module, "backend"):
-            module.backend = "sdpa"
-    exact_runner = GraphRunner(exact, DEV, runner.plan, use_graphs=False)
+    exact_runner = GraphRunner(float32_copy(tower), DEV, runner.plan, use_graphs=False)
     videos = make_items(tower, [(11, 12, 16), (6, 8, 8)], 20, "video")
     for video, out in zip(videos, runner.encode(videos)):
         ref = exact_runner.eager(video.pixels, [video.grid_thw])
