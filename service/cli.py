@@ -37,6 +37,8 @@ def add_encode_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="model dtype: auto | bfloat16 | float16 | float32")
     p.add_argument("--output-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--attention", default="auto", choices=["auto", "varlen", "sdpa"],
+                   help="attention backend (auto: varlen_attn on CUDA, SDPA per segment on the CPU)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--t-capture", type=int, default=8)
     p.add_argument("--eager", action="store_true", help="bypass the graph pool")
@@ -59,7 +61,7 @@ def run_encode(args: argparse.Namespace) -> int:
         print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     try:
-        tower = load_tower(args.model, device=args.device, dtype=args.dtype)
+        tower = load_tower(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
         plan = plan_for(tower, max_batch_tokens=args.max_batch_tokens, t_capture=args.t_capture)
     except (CheckpointError, BudgetError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -132,10 +134,24 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--workloads", default="", help="comma list (default: all)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
+    # HTTP load benchmark (service/http_bench.py); runs on a CPU machine too.
+    p.add_argument("--http", action="store_true", help="load-test `vitserve serve` over HTTP on loopback against "
+                                                       "the engine alone; writes OUT/http_bench.json")
+    p.add_argument("--url", default=None, help="with --http: an already running server on a loopback address")
+    p.add_argument("--model", default=None, help="with --http: model to serve (default random:qwen2.5-vl-7b on a "
+                                                 "GPU, tiny-qwen2-vl on the CPU)")
+    p.add_argument("--concurrency", default=None, help="with --http: comma list (default 1,2,4,...,256)")
+    p.add_argument("--requests-per-level", type=int, default=None, help="with --http: requests per level (1024)")
+    p.add_argument("--level-time-s", type=float, default=None, help="with --http: time limit per level (30)")
+    p.add_argument("--serve-flags", default=None, help="with --http: more `vitserve serve` flags, one string")
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.http:
+        from service.http_bench import run_from_args
+
+        return run_from_args(args)
     import torch
 
     from service.bench import run
