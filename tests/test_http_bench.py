@@ -1,0 +1,134 @@
+"""`vitserve bench --http` on the CPU: a real `vitserve serve` subprocess with tiny-qwen2-vl, two small
+concurrency levels, the engine-only reference in this process, and the loopback-only rule."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from service import http_bench
+from service.cli import main
+from tests.http_helpers import free_port
+
+LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
+                "mean_ms", "max_ms", "stopped_by", "client_cpu_util"}
+ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
+                 "single_encode_ms", "batch_images", "batch_ms", "batch_preprocess_ms", "batch_encode_ms",
+                 "images_per_s", "encode_only_images_per_s", "single_reps", "batch_reps"}
+TARGET_FIELDS = {"saturation", "engine_replicas", "throughput_ratio", "throughput_ratio_target", "throughput_ratio_met",
+                 "latency_concurrency", "latency_p50_ms", "latency_overhead_ms", "latency_overhead_target_ms",
+                 "latency_overhead_met"}
+
+
+def test_http_bench_on_cpu(tmp_path):
+    out = tmp_path / "run.json"
+    # Small budgets and few repetitions: a 448x448 image costs 0.1-0.5 s on this 2-core machine.
+    result = http_bench.run(model="tiny-qwen2-vl", concurrency=[4, 1], requests_per_level=6, level_time_s=60,
+                            max_batch_tokens=512, out=out, distinct_images=2, warmup_requests=2, single_reps=3,
+                            batch_reps=1, log=lambda s: None)
+    assert json.loads(out.read_text()) == result
+    assert set(result) == {"env", "limits", "server", "workload", "engine", "levels", "targets"}
+    assert out.with_suffix(".server.log").is_file()
+
+    server = result["server"]
+    assert server["spawned"] and server["model"] == "tiny-qwen2-vl" and server["device"] == "cpu"
+    assert server["url"].startswith("http://127.0.0.1:") and server["settings"]["max_batch_tokens"] == 512
+    work = result["workload"]
+    assert (work["width"], work["height"], work["encoding_format"], work["dtype"]) == (448, 448, "base64", "bfloat16")
+    assert work["grid_thw"] == [1, 32, 32] and work["tokens_per_image"] == 256 and work["shape"] == [256, 96]
+
+    engine = result["engine"]
+    assert set(engine) == ENGINE_FIELDS
+    assert engine["tokens_per_image"] == 256 and engine["batch_images"] == 2  # 512 tokens of 256-token images
+    assert engine["images_per_s"] > 0 and engine["single_ms"] > engine["single_encode_ms"] > 0
+
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
+    for level in result["levels"]:
+        assert set(level) == LEVEL_FIELDS
+        assert level["errors"] == {} and level["ok"] == level["requests"] == 6 and level["stopped_by"] == "requests"
+        assert 0 < level["p50_ms"] <= level["p90_ms"] <= level["p99_ms"] <= level["max_ms"]
+        assert level["images_per_s"] > 0
+
+    targets = result["targets"]
+    assert set(targets) == TARGET_FIELDS
+    best = max(result["levels"], key=lambda lv: lv["images_per_s"])
+    assert targets["saturation"] == {"concurrency": best["concurrency"], "images_per_s": best["images_per_s"]}
+    assert targets["throughput_ratio"] == pytest.approx(best["images_per_s"] / engine["images_per_s"], abs=1e-3)
+    assert targets["latency_p50_ms"] == result["levels"][0]["p50_ms"]
+    assert targets["latency_overhead_ms"] == pytest.approx(result["levels"][0]["p50_ms"] - engine["single_ms"],
+                                                           abs=1e-3)
+
+
+class FakeEncode(BaseHTTPRequestHandler):
+    """/encode that answers 500 for bodies saying "bad" and takes 20 ms for bodies saying "slow"."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if b"slow" in body:
+            time.sleep(0.02)
+        status, data = (500, b"{}") if b"bad" in body else (200, b'{"data": []}')
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeEncode)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.mark.parametrize("client", ["http.client", "httpx"])
+def test_run_level_bounds_and_errors(fake_url, client):
+    level = http_bench.run_level(fake_url, [b"good", b"bad", b"good"], 3, 30, 60, client=client)
+    assert (level["requests"], level["ok"], level["errors"], level["stopped_by"]) == (30, 20, {"500": 10}, "requests")
+    level = http_bench.run_level(fake_url, [b"slow"], 2, 10_000, 0.3, client=client)
+    # 2 clients, 20 ms per answer, 0.3 s: at most 30 requests (fewer on a loaded machine), then it stops.
+    assert level["stopped_by"] == "time" and level["errors"] == {} and 0 < level["ok"] <= 30
+    assert level["elapsed_s"] < 2 and level["p50_ms"] >= 20
+    gone = http_bench.run_level(f"http://127.0.0.1:{free_port()}", [b"x"], 1, 2, 5, client=client)
+    assert gone["ok"] == 0 and sum(gone["errors"].values()) == 2  # connection failures are counted, not raised
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://192.168.0.1", "http://[2001:db8::1]:8000",
+                                 "ftp://127.0.0.1:8000", "127.0.0.1:8000", "http://no-such-host.invalid:8000"])
+def test_refuses_non_loopback_urls(url, tmp_path, capsys):
+    assert main(["bench", "--http", "--url", url, "--out", str(tmp_path)]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.9.9.9", "http://[::1]:8000",
+                                 "http://localhost:8000"])
+def test_loopback_urls_pass(url):
+    host, port = http_bench.check_loopback(url)
+    assert host and port > 0
+
+
+def test_plain_bench_stays_gpu_only(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert main(["bench", "--out", "unused"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_url_mode_needs_a_vitserve_info(fake_url, tmp_path):
+    # A loopback server that is not vitserve (no GET /info): refused before any load or model loading.
+    with pytest.raises(http_bench.BenchError, match="/info answered 501"):
+        http_bench.run(url=fake_url, concurrency=[1], out=tmp_path, log=lambda s: None)
+    assert list(tmp_path.iterdir()) == []
