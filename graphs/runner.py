@@ -118,8 +118,7 @@ class GraphRunner:
         return pack([self.pack_item(it) for it in items], self.plan)
 
     def pack_item(self, item: VisualInput) -> PackItem:
-        t, h, w = item.grid_thw
-        return PackItem(item.num_patches // self.plan.merge_unit, item.modality, t, h * w)
+        return to_pack_item(item, self.plan)
 
     def run_batch(self, batch: Batch, items: Sequence[VisualInput]) -> list[ItemOutput]:
         """Run one packed batch; `items` are the batch's own items, in `batch.items` order."""
@@ -185,6 +184,16 @@ class GraphRunner:
             for i, out in zip(batch.items, outs):
                 results[i] = out
         return results  # type: ignore[return-value]
+
+
+def to_pack_item(item: VisualInput, plan: BudgetPlan) -> PackItem:
+    t, h, w = item.grid_thw
+    return PackItem(item.num_patches // plan.merge_unit, item.modality, t, h * w)
+
+
+def pack_inputs(items: Sequence[VisualInput], plan: BudgetPlan) -> list[Batch]:
+    """What `GraphRunner.pack_items` does, from the plan alone (a multi-engine server packs in its front)."""
+    return pack([to_pack_item(it, plan) for it in items], plan)
 
 
 def concat_pixels(parts: list) -> np.ndarray | torch.Tensor:

@@ -39,6 +39,7 @@ from service import encoders
 from service.ec_storage import ECSharedStorage
 from service.engine import (
     Engine,
+    EngineDied,
     EngineError,
     EngineFailure,
     ItemError,
@@ -110,6 +111,8 @@ def from_engine(exc: Exception) -> ApiError:
         return ApiError(503, "unavailable", exc.message, exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, EngineFailure):
         return ApiError(500, "internal", exc.message, exc.code, error_id=exc.error_id)
+    if isinstance(exc, EngineDied):  # one engine of several exited: a retry lands on another
+        return ApiError(503, "engine_failed", exc.message, exc.code, headers={"Retry-After": "1"})
     raise TypeError(exc)
 
 
@@ -520,7 +523,7 @@ class Service:
         request_id = "enc-" + uuid.uuid4().hex
         model = self.settings.model_name
         if want_st:
-            family = str(getattr(self.engine.runner.tower, "family", "")) if self.engine.runner else ""
+            family = self.engine.family
             content = await self.run_in_pool(lambda: encoders.safetensors_body(
                 results, request_id=request_id, model=model, dtype=out.dtype, include_deepstack=out.include_deepstack,
                 family=family))
@@ -569,7 +572,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (422, "invalid request or item (the error names the item index)"),
         (429, "over --max-queued-tokens or --max-concurrent-requests; see Retry-After"),
         (500, "internal error; error_id is logged with the traceback"),
-        (503, "starting or shutting down"),
+        (503, "starting or shutting down, or the engine running the request exited (engine_failed)"),
         (504, "over --request-timeout-s"),
     ]
 }
@@ -627,7 +630,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
              responses={503: {"model": ErrorResponse, "description": "starting or shutting down"}})
     async def ready() -> Response:
         if engine.ready:
-            return JSONResponse({"status": "ready"})
+            return JSONResponse(engine.readiness())
         try:
             engine.check_accepting()
         except NotReady as exc:

@@ -8,6 +8,10 @@ back. The asyncio side only enqueues under a short lock and awaits futures: it n
 device. Decoding and preprocessing run in a thread pool (PIL, numpy and PyAV release the GIL).
 Items of one request may land in different batches; each has its own future, so the request
 reassembles them in order. Items whose request went away (timeout, disconnect) are skipped.
+
+What the engine thread does with the work it takes is a `Backend`'s job: `InProcessBackend` (one
+engine, the default) runs it here through the `GraphRunner`; `service.workers.ProcessPoolBackend`
+(`--data-parallel N`) packs it and hands each batch to the least-loaded of N engine processes.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
+from graphs.budgets import BudgetPlan
 from graphs.runner import GraphRunner, ItemOutput, plan_for
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import MediaError
@@ -87,6 +92,12 @@ class EngineFailure(EngineError):
         self.error_id = error_id
 
 
+class EngineDied(EngineError):
+    """The engine process running the item exited (503); the other engines keep serving."""
+
+    code = "engine_failed"
+
+
 # ---- units of work ---------------------------------------------------------------------------
 @dataclass
 class MediaItem:
@@ -141,6 +152,123 @@ class _Work:
     cancelled: bool = False  # set on the event loop, read by the engine thread
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front needs to know of the served model, whichever backend runs it (picklable)."""
+
+    family: str | None
+    processor: ProcessorConfig
+    dtype: torch.dtype  # served dtype: parameters and raw outputs
+    device: str
+    out_hidden_size: int
+    num_deepstack: int
+    plan: BudgetPlan
+    captured: tuple[str, ...]
+    capture_failures: dict[str, str]
+
+    @property
+    def merge_unit(self) -> int:
+        return self.plan.merge_unit
+
+    @classmethod
+    def from_runner(cls, runner: GraphRunner) -> ModelInfo:
+        tower = runner.tower
+        return cls(
+            family=getattr(tower, "family", None),
+            processor=tower.processor,
+            dtype=next(tower.parameters()).dtype,
+            device=str(runner.device),
+            out_hidden_size=tower.out_hidden_size,
+            num_deepstack=tower.num_deepstack,
+            plan=runner.plan,
+            captured=tuple(sorted(str(k) for k in runner.pool.graphs)),
+            capture_failures={str(k): v for k, v in runner.pool.failed.items()},
+        )
+
+
+class Backend(Protocol):
+    """Where the engine thread's work runs. `load` runs on the loading thread, `wait_capacity` and
+    `process` on the engine thread (`process` settles every item it is given: a result or an
+    exception), `stop` after the engine thread ended; the reporting methods on any thread."""
+
+    def load(self) -> ModelInfo:
+        """Load weights and capture graphs (blocking); raise if the model cannot be served."""
+        ...
+
+    def wait_capacity(self, stopping: Callable[[], bool]) -> None:
+        """Block the engine thread until a batch can be handed over (or `stopping()`)."""
+        ...
+
+    def process(self, work: list[_Work]) -> None:
+        """Run (or hand over) the work taken from the queues."""
+        ...
+
+    def stop(self, timeout: float) -> None:
+        """Release the devices; work still outstanding fails."""
+        ...
+
+    def stats(self) -> Any:
+        """Pool statistics (`as_dict()`), summed over the engines."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """Backend-specific fields of /info (none for the in-process engine)."""
+        ...
+
+    def readiness(self) -> dict[str, Any]:
+        """The body of a 200 from /ready."""
+        ...
+
+
+class InProcessBackend:
+    """One engine: the engine thread runs every batch through the engine's own `GraphRunner`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def load(self) -> ModelInfo:
+        e = self.engine
+        if e.runner is None:
+            e.runner = e._build_runner()
+        e.metrics.attach_pool(e.runner.stats)
+        return ModelInfo.from_runner(e.runner)
+
+    def wait_capacity(self, stopping: Callable[[], bool]) -> None:
+        return  # the engine thread itself runs the work: it is free whenever it asks
+
+    def process(self, work: list[_Work]) -> None:
+        self.engine._process(work)
+
+    def stop(self, timeout: float) -> None:
+        return
+
+    def stats(self) -> Any:
+        return self.engine.runner.stats if self.engine.runner else None
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def readiness(self) -> dict[str, Any]:
+        return {"status": "ready"}
+
+
+def build_runner(settings: ServeSettings) -> GraphRunner:
+    """Load the tower on `settings.device` and capture its graphs."""
+    from models.loader import load_tower, resolve_device
+
+    s = settings
+    t0 = time.perf_counter()
+    device = resolve_device(s.device)
+    _bind_device(device)
+    tower = load_tower(s.model, device=s.device, dtype=s.dtype)
+    plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
+    runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
+    log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
+             time.perf_counter() - t0, "no" if s.eager else len(plan.keys(runner.modalities)))
+    runner.capture()
+    return runner
+
+
 # ---- the engine ------------------------------------------------------------------------------
 class Engine:
     def __init__(self, settings: ServeSettings, metrics: Metrics | None = None,
@@ -151,6 +279,8 @@ class Engine:
         self.on_fatal = on_fatal
         self.state = "starting"  # starting -> ready -> draining -> stopped, or failed
         self.load_error: str | None = None
+        self.model: ModelInfo | None = None  # set once loaded
+        self.backend: Backend = self._make_backend()
         self.started_at = time.time()
         self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vitserve-pre")
         self._cond = threading.Condition()
@@ -169,11 +299,19 @@ class Engine:
         else:
             self._load()
 
+    def _make_backend(self) -> Backend:
+        devices = self.settings.engine_devices()
+        if len(devices) == 1:
+            return InProcessBackend(self)
+        if self.runner is not None:
+            raise ValueError("a runner is given: --data-parallel must be 1")
+        from service.workers import ProcessPoolBackend  # spawns processes: only imported when asked for
+
+        return ProcessPoolBackend(self, devices)
+
     def _load(self) -> None:
         try:
-            if self.runner is None:
-                self.runner = self._build_runner()
-            self.metrics.attach_pool(self.runner.stats)
+            self.model = self.backend.load()
             self._thread = threading.Thread(target=self._run, name="vitserve-engine", daemon=True)
             self._thread.start()
             with self._cond:
@@ -182,6 +320,9 @@ class Engine:
             self.metrics.ready.set(1 if self.state == "ready" else 0)
             log.info("ready: %s", self.describe())
         except Exception as exc:  # any start-up failure is fatal: say why and let the server exit
+            if self._stopping:  # shut down while loading: nothing failed
+                log.info("start-up abandoned: the server is stopping (%s)", exc)
+                return
             self.state = "failed"
             self.load_error = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, ValueError):  # bad checkpoint or settings: the message says it all
@@ -192,30 +333,36 @@ class Engine:
                 self.on_fatal(self.load_error)
 
     def _build_runner(self) -> GraphRunner:
-        from models.loader import load_tower, resolve_device
-
-        s = self.settings
-        t0 = time.perf_counter()
-        device = resolve_device(s.device)
-        _bind_device(device)
-        tower = load_tower(s.model, device=s.device, dtype=s.dtype)
-        plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
-        runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
-        log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
-                 time.perf_counter() - t0, "no" if s.eager else len(plan.keys(runner.modalities)))
-        runner.capture()
-        return runner
+        return build_runner(self.settings)
 
     def describe(self) -> str:
-        r = self.runner
-        if r is None:
+        m = self.model
+        if m is None:
             return self.state
-        return (f"{self.settings.model_name} {getattr(r.tower, 'family', '?')} "
-                f"dtype={self.served_dtype} device={r.device} graphs={len(r.pool.graphs)}")
+        engines = self.backend.info().get("engines", [])
+        where = f"device={m.device}" if not engines else f"devices={','.join(e['device'] for e in engines)}"
+        return (f"{self.settings.model_name} {m.family or '?'} dtype={m.dtype} {where} "
+                f"graphs={len(m.captured)}{' per engine' if engines else ''}")
 
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+    def readiness(self) -> dict[str, Any]:
+        return self.backend.readiness()
+
+    def engines_lost(self, message: str) -> None:
+        """Every engine process exited (called by the process pool): fail what waits, then exit."""
+        with self._cond:
+            if self.state in ("stopped", "failed"):
+                return
+            self.state = "failed"
+            self.load_error = message
+        self.metrics.ready.set(0)
+        log.error("%s: the server cannot serve any more", message)
+        self._fail_queued(EngineDied(message))
+        if self.on_fatal:
+            self.on_fatal(message)
 
     def begin_drain(self) -> None:
         """Refuse new work from now on; work already admitted runs to completion."""
@@ -245,6 +392,7 @@ class Engine:
         self.metrics.ready.set(0)
         if self._thread is not None:
             self._thread.join(timeout)
+        self.backend.stop(timeout)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- admission ---------------------------------------------------------------------------
@@ -281,26 +429,28 @@ class Engine:
 
     @property
     def processor(self) -> ProcessorConfig:
-        if self.runner is None:
+        if self.model is None:
             raise NotReady("the server is starting", "starting")
-        return self.runner.tower.processor
+        return self.model.processor
 
     @property
     def served_dtype(self) -> torch.dtype | None:
-        if self.runner is None:
-            return None
-        return next(self.runner.tower.parameters()).dtype
+        return self.model.dtype if self.model else None
+
+    @property
+    def family(self) -> str:
+        return str(self.model.family or "") if self.model else ""
 
     # ---- the request path (event loop) -------------------------------------------------------
     async def encode(self, items: Sequence[MediaItem], spec: OutputSpec) -> list[ItemResult]:
         """Preprocess, admit, queue and await `items`. Called by requests that already hold a slot, so
         a drain that began meanwhile does not refuse them: it waits for them."""
         self._check_admitted()
-        runner = self.runner
-        assert runner is not None
+        model = self.model
+        assert model is not None
         loop = asyncio.get_running_loop()
         prepared = await self._preprocess_all(items, loop)
-        merge_unit = runner.plan.merge_unit
+        merge_unit = model.merge_unit
         tokens = [v.num_patches // merge_unit for v, _ in prepared]
         total = sum(tokens)
         limit = self.settings.queue_tokens_limit
@@ -392,7 +542,7 @@ class Engine:
     def _take(self) -> list[_Work] | None:
         """Block until work is queued, let a batch fill for at most max_wait_ms, take it all."""
         max_wait = self.settings.max_wait_ms / 1000
-        full = self.runner.plan.max_budget if self.runner else self.settings.max_batch_tokens
+        full = self.model.plan.max_budget if self.model else self.settings.max_batch_tokens
         with self._cond:
             while not self._queued_items and not self._stopping:
                 self._cond.wait()
@@ -417,11 +567,12 @@ class Engine:
         if self.runner is not None:
             _bind_device(self.runner.device)
         while True:
+            self.backend.wait_capacity(lambda: self._stopping)
             work = self._take()
             if work is None:
                 break
             try:
-                self._process(work)
+                self.backend.process(work)
             except Exception as exc:  # never let the loop die: fail what was taken, keep serving
                 error_id = _error_id()
                 log.exception("engine error %s", error_id)
@@ -530,23 +681,23 @@ class Engine:
         }
         if self.load_error:
             out["error"] = self.load_error
-        r = self.runner
-        if r is None:
+        m = self.model
+        if m is None:
             return out
-        tower = r.tower
-        proc = tower.processor
+        proc = m.processor
+        stats = self.backend.stats()
         out.update({
-            "family": getattr(tower, "family", None),
-            "dtype": str(self.served_dtype).removeprefix("torch."),
-            "device": str(r.device),
-            "out_hidden_size": tower.out_hidden_size,
-            "num_deepstack": tower.num_deepstack,
-            "merge_unit": tower.merge_unit,
-            "budgets": list(r.plan.budgets),
-            "max_batch_items": r.plan.max_items,
-            "t_capture": r.plan.t_capture,
-            "captured": sorted(str(k) for k in r.pool.graphs),
-            "capture_failures": {str(k): v for k, v in r.pool.failed.items()},
+            "family": m.family,
+            "dtype": str(m.dtype).removeprefix("torch."),
+            "device": m.device,
+            "out_hidden_size": m.out_hidden_size,
+            "num_deepstack": m.num_deepstack,
+            "merge_unit": m.merge_unit,
+            "budgets": list(m.plan.budgets),
+            "max_batch_items": m.plan.max_items,
+            "t_capture": m.plan.t_capture,
+            "captured": list(m.captured),
+            "capture_failures": dict(m.capture_failures),
             "processor": {
                 "patch_size": proc.patch_size,
                 "merge_size": proc.merge_size,
@@ -557,7 +708,8 @@ class Engine:
                           "max_frames": proc.video.max_frames, "min_pixels": proc.video.min_pixels,
                           "max_pixels": proc.video.max_pixels, "total_pixels": proc.video.total_pixels},
             },
-            "pool": r.stats.as_dict(),
+            "pool": stats.as_dict() if stats is not None else {},
+            **self.backend.info(),
         })
         return out
 

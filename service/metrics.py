@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from graphs.stats import PoolStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -19,10 +19,29 @@ ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 disable_created_metrics()
 
 
+class StatsSource(Protocol):
+    """The runner's `PoolStats`, or the sum over the engines of a multi-engine server."""
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class EngineSample:
+    """One engine of a multi-engine server (`--data-parallel`), as the metrics show it."""
+
+    gpu: str
+    up: bool
+    outstanding_tokens: int
+    batches: int
+    items: int
+    graph_hits: int
+    graph_misses: int
+
+
 class PoolCollector(Collector):
     """Graph hits/misses and eager items by reason, read from the runner's counters at scrape time."""
 
-    def __init__(self, stats: Callable[[], PoolStats | None]) -> None:
+    def __init__(self, stats: Callable[[], StatsSource | None]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterable:
@@ -41,6 +60,32 @@ class PoolCollector(Collector):
             captured.add_metric([], data["captured_graphs"])
             failed.add_metric([], len(data["capture_failures"]))
         yield from (hits, misses, eager, captured, failed)
+
+
+class EngineCollector(Collector):
+    """Per-engine series with a `gpu` label, read from the process pool at scrape time."""
+
+    def __init__(self, engines: Callable[[], list[EngineSample]]) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterable:
+        up = GaugeMetricFamily("vitserve_engine_up", "1 while the engine process serves, 0 once it exited",
+                               labels=["gpu"])
+        outstanding = GaugeMetricFamily("vitserve_engine_outstanding_tokens",
+                                        "Merged tokens handed to the engine and not yet returned", labels=["gpu"])
+        batches = CounterMetricFamily("vitserve_engine_batches", "Batches the engine ran", labels=["gpu"])
+        items = CounterMetricFamily("vitserve_engine_items", "Items the engine encoded", labels=["gpu"])
+        hits = CounterMetricFamily("vitserve_engine_graph_hits", "Items the engine served by a graph replay",
+                                   labels=["gpu"])
+        misses = CounterMetricFamily("vitserve_engine_graph_misses", "Items the engine ran eagerly", labels=["gpu"])
+        for e in self._engines():
+            up.add_metric([e.gpu], 1 if e.up else 0)
+            outstanding.add_metric([e.gpu], e.outstanding_tokens)
+            batches.add_metric([e.gpu], e.batches)
+            items.add_metric([e.gpu], e.items)
+            hits.add_metric([e.gpu], e.graph_hits)
+            misses.add_metric([e.gpu], e.graph_misses)
+        yield from (up, outstanding, batches, items, hits, misses)
 
 
 class Metrics:
@@ -69,11 +114,15 @@ class Metrics:
         self.cancelled = Counter("vitserve_cancelled_items", "Queued items dropped (client gone or timed out)",
                                  registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the server accepts work", registry=r)
-        self._pool_stats: PoolStats | None = None
+        self._pool_stats: StatsSource | None = None
         r.register(PoolCollector(lambda: self._pool_stats))
 
-    def attach_pool(self, stats: PoolStats) -> None:
+    def attach_pool(self, stats: StatsSource) -> None:
         self._pool_stats = stats
+
+    def attach_engines(self, engines: Callable[[], list[EngineSample]]) -> None:
+        """Per-engine series, only for a multi-engine server (the single engine has no `gpu` label)."""
+        self.registry.register(EngineCollector(engines))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -61,7 +61,8 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
                                       "also written to PATH/<id>/encoder_cache.safetensors")),
     ("--video-chunking", dict(help="on | off (default off): serve videos longer than --t-capture as exact chunks "
                                    "of t_capture temporal patches through graphs instead of eagerly")),
-    ("--data-parallel", dict(type=int, help="encoder replicas in this process (only 1 is supported)")),
+    ("--data-parallel", dict(help="engines, one per GPU, each in its own process behind this server: a number, or "
+                                  "auto for every visible GPU (default 1: one engine in this process)")),
     ("--batch-delay-ms", dict(type=float, help=argparse.SUPPRESS)),  # test hook: a slow engine
 ]
 

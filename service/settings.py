@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
@@ -38,6 +38,13 @@ def _split_list(value: Any) -> Any:
             out.extend(_split_list(part) if isinstance(part, str) else [part])
         return out
     return value
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process may use (0 without CUDA); counting creates no CUDA context."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 class SettingsError(ValueError):
@@ -73,7 +80,7 @@ class ServeSettings(BaseModel):
     url_timeout_s: float = Field(10.0, gt=0)
     ec_shared_storage: Path | None = None
     video_chunking: bool = False
-    data_parallel: int = 1
+    data_parallel: int | Literal["auto"] = Field(1, description="engines, one per GPU (auto: every visible GPU)")
     # Test hook: sleep this long before every batch (a slow engine for timeout and drain tests).
     batch_delay_ms: float = Field(0.0, ge=0)
 
@@ -110,20 +117,56 @@ class ServeSettings(BaseModel):
             return True
         raise ValueError(f"--video-chunking takes on or off, got {value!r}")
 
+    @field_validator("data_parallel", mode="before")
+    @classmethod
+    def _data_parallel(cls, value: Any) -> Any:
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"--data-parallel takes a number of engines (1 or more) or auto, got {value!r}")
+        return int(text)
+
     @model_validator(mode="after")
     def _consistent(self) -> ServeSettings:
         if self.data_parallel != 1:
-            raise ValueError(
-                f"--data-parallel {self.data_parallel} (VITSERVE_DATA_PARALLEL): only 1 is supported in this "
-                "version; run one server per GPU instead"
-            )
+            self._check_engines()
         if self.allow_url and not self.allowed_hosts:
             raise ValueError("--allow-url needs --allowed-hosts (VITSERVE_ALLOWED_HOSTS): a list of host names")
         if self.budgets and any(b < 1 for b in self.budgets):
             raise ValueError(f"--budgets must be positive token counts, got {self.budgets}")
         return self
 
+    def _check_engines(self) -> None:
+        """--data-parallel against the device: one GPU per engine, every engine on the same kind of device."""
+        device = self.device.strip().lower()
+        if device.startswith("cuda:") and self.data_parallel != "auto":
+            raise ValueError(f"--data-parallel {self.data_parallel} with --device {self.device}: that names one GPU; "
+                             "use --device cuda (engine i runs on cuda:i; pick the GPUs with CUDA_VISIBLE_DEVICES)")
+        if device == "cpu" or self.data_parallel == "auto":
+            return
+        gpus = visible_gpus()
+        if device == "cuda" or gpus:
+            if self.data_parallel > gpus:
+                raise ValueError(f"--data-parallel {self.data_parallel} (VITSERVE_DATA_PARALLEL) needs as many GPUs, "
+                                 f"but {gpus} {'is' if gpus == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES)")
+
     # ---- derived -------------------------------------------------------------------------
+    def engine_devices(self) -> list[str]:
+        """One device per engine: cuda:0..N-1 of the visible GPUs, or N CPU engines (for tests). A single
+        entry means the in-process engine on `--device` as given."""
+        if self.data_parallel == 1:
+            return [self.device]
+        device = self.device.strip().lower()
+        on_cuda = device == "cuda" or (device == "auto" and visible_gpus() > 0)
+        if self.data_parallel == "auto":
+            count = visible_gpus() if on_cuda else 1
+        else:
+            count = self.data_parallel
+        if count <= 1:
+            return [self.device]
+        return [f"cuda:{i}" for i in range(count)] if on_cuda else ["cpu"] * count
+
     @property
     def queue_tokens_limit(self) -> int:
         return self.max_queued_tokens or 8 * self.max_batch_tokens
