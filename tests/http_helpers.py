@@ -12,6 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +155,21 @@ class SubprocessServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate(timeout=30)
+
+
+@contextmanager
+def loopback_http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
+    """A plain HTTP server on 127.0.0.1 and a free port, in a thread, for fake peers (vLLM, media hosts)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def server_url(httpd: ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{httpd.server_address[1]}"

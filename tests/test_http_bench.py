@@ -4,15 +4,14 @@ concurrency levels, the engine-only reference in this process, and the loopback-
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from service import http_bench
 from service.cli import main
-from tests.http_helpers import free_port
+from tests.http_helpers import free_port, loopback_http_server, server_url
 
 LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
                 "mean_ms", "max_ms", "stopped_by", "client_cpu_util"}
@@ -84,11 +83,8 @@ class FakeEncode(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def fake_url():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeEncode)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with loopback_http_server(FakeEncode) as httpd:
+        yield server_url(httpd)
 
 
 @pytest.mark.parametrize("client", ["http.client", "httpx"])

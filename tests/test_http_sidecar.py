@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from service.ec_storage import FILE_NAME, TENSOR_KEY
-from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from tests.http_helpers import ServerThread, b64, image_bytes, loopback_http_server, server_url, settings
 from tests.videos import make_video
 
 IMAGE = image_bytes(160, 120, seed=11)
@@ -61,12 +60,8 @@ class MediaHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def media_url():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), MediaHandler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with loopback_http_server(MediaHandler) as httpd:
+        yield server_url(httpd)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import base64
 import json
 import subprocess
 import sys
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -17,7 +16,7 @@ from safetensors import safe_open
 
 from service import sidecar
 from service.ec_storage import FILE_NAME, TENSOR_KEY
-from tests.http_helpers import ROOT, ServerThread, image_bytes, settings
+from tests.http_helpers import ROOT, ServerThread, image_bytes, loopback_http_server, server_url, settings
 
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 ANSWER = {"id": "chatcmpl-test", "object": "chat.completion",
@@ -45,12 +44,9 @@ class FakeVLLM(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def vllm():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
-    httpd.requests = []  # type: ignore[attr-defined]
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd
-    httpd.shutdown()
+    with loopback_http_server(FakeVLLM) as httpd:
+        httpd.requests = []  # type: ignore[attr-defined]
+        yield httpd
 
 
 @pytest.fixture(scope="module", params=list(DIMS))
@@ -63,7 +59,7 @@ def server(request, tmp_path_factory):
 
 
 def vllm_url(httpd: ThreadingHTTPServer) -> str:
-    return f"http://127.0.0.1:{httpd.server_address[1]}"
+    return server_url(httpd)
 
 
 def last_chat(httpd: ThreadingHTTPServer) -> dict[str, Any]:
