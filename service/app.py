@@ -50,8 +50,7 @@ from service.engine import (
     Overloaded,
     RequestRejected,
 )
-from service.media.images import sniff_format
-from service.media.video import sniff_container
+from service.media.sniff import sniff_modality
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
 from service.schemas import (
@@ -227,17 +226,6 @@ def check_ids(items: list[Pending]) -> None:
 
 
 VIDEO_ONLY = ("fps", "nframes", "min_frames", "max_frames", "video_start", "video_end", "total_pixels")
-
-
-def sniff_modality(data: bytes) -> str:
-    """Image if Pillow's formats recognise it, video for known containers, else image (its decoder
-    then names the unsupported format in the error)."""
-    if sniff_format(data):
-        return "image"
-    head = data[:16]
-    if head[4:8] == b"ftyp" and head[8:12] in (b"heic", b"heix", b"avif", b"avis", b"mif1", b"msf1"):
-        return "image"  # HEIF/AVIF stills share MP4's box layout
-    return "video" if sniff_container(data) else "image"
 
 
 @dataclass

@@ -16,14 +16,14 @@ from models.presets import DEFAULT_MODEL, PRESETS
 log = logging.getLogger("vitserve")
 
 
-def load_media(path: Path, cfg, max_image_pixels: int | None = None):
-    """A local file the user named -> VisualInput (image by its magic bytes, else video)."""
-    from service.media.images import sniff_format
+def load_media(path: Path, cfg):
+    """A local file the user named -> VisualInput, routed by its first bytes like the server's uploads."""
+    from service.media.sniff import sniff_modality
     from service.preprocess import preprocess_image_bytes
     from service.video_preprocess import preprocess_video_bytes
 
     data = path.read_bytes()
-    if sniff_format(data) is not None:
+    if sniff_modality(data) == "image":
         return preprocess_image_bytes(data, cfg)
     return preprocess_video_bytes(data, cfg)
 

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from service.app import ApiError, decode_media, sniff_modality
+from service.app import ApiError, decode_media
+from service.media.sniff import sniff_modality
 from service.server import FLAGS, add_serve_parser, main, settings_from_args
 from service.settings import ServeSettings, SettingsError
 from tests.http_helpers import image_bytes
