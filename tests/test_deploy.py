@@ -129,19 +129,15 @@ def _dockerfile_comments() -> str:
     return "\n".join(line for line in DOCKERFILE.read_text().splitlines() if line.lstrip().startswith("#"))
 
 
+def _hadolint(dockerfile: Path) -> subprocess.CompletedProcess:
+    """hadolint with the project's ignores, failing on warnings and above."""
+    return _run([_tool("hadolint"), "--config", str(ROOT / ".hadolint.yaml"), "--failure-threshold", "warning",
+                 "--no-color", str(dockerfile)])
+
+
 def test_hadolint_dockerfile_clean() -> None:
     """hadolint: no finding at level warning or above (ignores live in .hadolint.yaml with reasons)."""
-    proc = _run(
-        [
-            _tool("hadolint"),
-            "--config",
-            str(ROOT / ".hadolint.yaml"),
-            "--failure-threshold",
-            "warning",
-            "--no-color",
-            str(DOCKERFILE),
-        ]
-    )
+    proc = _hadolint(DOCKERFILE)
     assert proc.returncode == 0, f"hadolint findings:\n{proc.stdout}{proc.stderr}"
 
 
@@ -149,17 +145,7 @@ def test_hadolint_is_really_linting(tmp_path: Path) -> None:
     """The same invocation flags a bad Dockerfile, so a green lint above is not a silent no-op."""
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM ubuntu:latest\nRUN apt-get update && apt-get install -y curl\n")
-    proc = _run(
-        [
-            _tool("hadolint"),
-            "--config",
-            str(ROOT / ".hadolint.yaml"),
-            "--failure-threshold",
-            "warning",
-            "--no-color",
-            str(bad),
-        ]
-    )
+    proc = _hadolint(bad)
     assert proc.returncode != 0
     assert "DL3007" in proc.stdout  # :latest tag
 

@@ -24,19 +24,14 @@ from PIL import Image, ImageDraw
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from models.config import ProcessorConfig
+from models.presets import QWEN3_PRE, QWEN3_VIDEO_PRE
 from service.media.images import decode_image
 from service.preprocess import preprocess_image, preprocess_image_bytes
 
 CONFIGS = {
     "qwen2_vl": ProcessorConfig(),
-    "qwen3_vl": ProcessorConfig(
-        family="qwen3_vl",
-        patch_size=16,
-        image_mean=(0.5, 0.5, 0.5),
-        image_std=(0.5, 0.5, 0.5),
-        min_pixels=65536,
-        max_pixels=16777216,
-    ),
+    # Qwen3-VL-8B's released preprocessor configs (image and video), as the preset carries them.
+    "qwen3_vl": ProcessorConfig.from_dicts("qwen3_vl", QWEN3_PRE, QWEN3_VIDEO_PRE),
 }
 
 

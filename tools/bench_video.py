@@ -42,21 +42,16 @@ import numpy as np
 import PIL
 import transformers
 
-from models.config import ProcessorConfig, VideoConfig
+from models.config import ProcessorConfig
+from models.presets import QWEN3_PRE, QWEN3_VIDEO_PRE
 from service.media.video import VideoReader
 from service.video_preprocess import plan_sampling, preprocess_video_bytes
 
 WIDTH, HEIGHT, FPS, SECONDS = 1280, 720, 30, 30
 CONFIGS = {
     "qwen2_vl": ProcessorConfig(),
-    # Qwen3-VL-8B's video_preprocessor_config.json: size {shortest_edge 4096, longest_edge 25165824}.
-    "qwen3_vl": ProcessorConfig(
-        family="qwen3_vl",
-        patch_size=16,
-        image_mean=(0.5, 0.5, 0.5),
-        image_std=(0.5, 0.5, 0.5),
-        video=VideoConfig(min_pixels=4096, max_pixels=25165824),
-    ),
+    # Qwen3-VL-8B's released preprocessor configs (image and video), as the preset carries them.
+    "qwen3_vl": ProcessorConfig.from_dicts("qwen3_vl", QWEN3_PRE, QWEN3_VIDEO_PRE),
 }
 
 
