@@ -634,7 +634,8 @@ class Engine:
         """Requested dtype and layout, copied to the host here so the event loop never syncs."""
         spec = w.spec
         parts = [out.embeds, *out.deepstack]
-        joined = torch.cat(parts, dim=-1) if len(parts) > 1 else out.embeds
+        # Only the vLLM format and the encoder cache want DeepStack beside the embedding: concatenate lazily.
+        joined = torch.cat(parts, dim=-1) if len(parts) > 1 and (spec.joined or w.want_ec) else out.embeds
         v = w.visual
         return ItemResult(
             index=w.item.index,
