@@ -1,19 +1,33 @@
 """Fused GPU kernels for the towers' memory-bound steps, with torch fallbacks.
 
-Rotary embedding in plain torch costs three full passes over queries and keys in float32 (and
-more on strided views); one Triton program per patch row reads q and k once, rotates in float32
-as the reference does, and writes bf16. Used only when Triton compiles and agrees with the torch
-path on this machine (checked once at load; see `enable_triton`).
+In plain torch, the steps between the matrix products are separate passes over the hidden states:
+the rotary embedding (three float32 passes over q and k), QuickGELU (three), SwiGLU (two, on
+strided halves), each residual add followed by its norm (two), RMSNorm and its scale (two). Each
+Triton kernel here does one such step in a single pass, in float32, rounding where the reference
+rounds. tanh-GELU goes into the matrix product's epilogue instead (cuBLASLt).
+
+Every kernel is used only when it compiles and agrees with its torch path on this machine (checked
+once at load; see `enable_triton`), and only on CUDA tensors. Elsewhere the torch path runs, which
+is what CI and the CPU backend use; the Triton kernels also run in CI under the Triton interpreter
+(tests/test_kernels.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 log = logging.getLogger("vitserve.models")
-_TRITON_OK = False
+
+KERNELS = ("rotary", "act", "add_norm", "gelu_epilogue")
+_enabled: set[str] = set()
+
+# Activation codes shared by the Triton kernel and the torch fallbacks.
+ACT_CODES = {"quick_gelu": 0, "silu": 1, "gelu_pytorch_tanh": 2}
 
 try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may lack it
     import triton
@@ -22,7 +36,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
     @triton.jit
     def _rotary_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, HEADS: tl.constexpr,
                      HEADS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, HALF: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, HEADS_P2)[:, None]
         d = tl.arange(0, D_P2)[None, :]
         mask = (h < HEADS) & (d < D)
@@ -34,9 +48,63 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
         y = x * c + x_rolled * s
         tl.store(out_ptr + row * (HEADS * D) + h * D + d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _act_rows(x_ptr, out_ptr, n_cols, x_row_stride, up_offset,
+                  ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        """out[r, c] = act(x[r, c]) (* x[r, up_offset + c] when GATED), float32 math, one rounding."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        src = x_ptr + row * x_row_stride
+        x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            y = x * tl.sigmoid(1.702 * x)
+        elif ACT == 1:
+            y = x * tl.sigmoid(x)
+        else:
+            inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            y = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh(z) = 2 sigmoid(2z) - 1
+        if GATED:
+            y = y * tl.load(src + up_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_norm_rows(x_ptr, d_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols, eps,
+                       HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
+        """sum = x + d (rounded to the stream's dtype, as the reference's add is), out = norm(sum)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (x + d).to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
+            x = s.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if RMS:
+            # The reference rounds the normalised row to the input dtype before the scale.
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        else:
+            mean = tl.sum(x, axis=0) / n_cols
+            xc = tl.where(mask, x - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+            y = xc * rstd * w
+            if HAS_BIAS:
+                y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
     _HAVE_TRITON = True
 except Exception:  # noqa: BLE001 - any import problem just means the torch path
     _HAVE_TRITON = False
+
+
+def _use(name: str, *tensors: torch.Tensor) -> bool:
+    return name in _enabled and all(t.is_cuda for t in tensors)
+
+
+# ---- rotary ---------------------------------------------------------------------------------------
 
 
 def rotary_torch(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -56,27 +124,183 @@ def rotary_triton(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if _TRITON_OK and qk.is_cuda and qk.stride(-1) == 1 and qk.stride(2) == qk.shape[-1] \
+    if _use("rotary", qk) and qk.stride(-1) == 1 and qk.stride(2) == qk.shape[-1] \
             and qk.stride(1) == qk.shape[-1] * qk.shape[-2]:
         return rotary_triton(qk, cos, sin)
     return rotary_torch(qk, cos, sin)
 
 
-def enable_triton(device: torch.device) -> bool:
-    """Turn the Triton path on if it compiles here and matches the torch path; say which is used."""
-    global _TRITON_OK
-    if device.type != "cuda" or not _HAVE_TRITON:
-        return False
-    try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        qkv = torch.randn(37, 3, 16, 80, device=device, generator=gen).to(torch.bfloat16)
+# ---- activations ----------------------------------------------------------------------------------
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def act_torch(h: torch.Tensor, act: str, gated_width: int | None = None) -> torch.Tensor:
+    """act(h), or act(h[:, :w]) * h[:, w:2w] for a gated MLP whose gate and up share one GEMM."""
+    if gated_width is None:
+        return ACTIVATIONS[act](h)
+    gate, up = h[:, :gated_width], h[:, gated_width : 2 * gated_width]
+    return ACTIVATIONS[act](gate) * up
+
+
+def act_triton(h: torch.Tensor, act: str, gated_width: int | None = None) -> torch.Tensor:
+    rows = h.shape[0]
+    width = h.shape[1] if gated_width is None else gated_width
+    out = torch.empty((rows, width), dtype=h.dtype, device=h.device)
+    if rows:
+        block = 1024
+        _act_rows[(rows, triton.cdiv(width, block))](
+            h, out, width, h.stride(0), width, ACT=ACT_CODES[act], GATED=gated_width is not None, BLOCK=block
+        )
+    return out
+
+
+def activate(h: torch.Tensor, act: str, gated_width: int | None = None) -> torch.Tensor:
+    """The MLP's activation on a [rows, width] matrix product output (see `act_torch`)."""
+    if _use("act", h) and act in ACT_CODES and h.dim() == 2 and h.stride(1) == 1:
+        return act_triton(h, act, gated_width)
+    return act_torch(h, act, gated_width)
+
+
+def linear_act(x: torch.Tensor, linear: nn.Linear, act: str) -> torch.Tensor:
+    """act(linear(x)); tanh-GELU runs in cuBLASLt's epilogue, where it costs no extra pass."""
+    if act == "gelu_pytorch_tanh" and linear.bias is not None and x.dim() == 2 and _use("gelu_epilogue", x):
+        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+    h = linear(x)
+    return activate(h, act) if act == "quick_gelu" else act_torch(h, act)
+
+
+# ---- residual add + norm ---------------------------------------------------------------------------
+
+
+def _norm_params(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float, bool]:
+    """(weight, bias, eps, is_rms) of an nn.LayerNorm or a module marked `rms = True` (RMSNorm)."""
+    if getattr(norm, "rms", False):
+        return norm.weight, None, float(norm.eps), True
+    if isinstance(norm, nn.LayerNorm) and norm.elementwise_affine:
+        return norm.weight, norm.bias, float(norm.eps), False
+    raise TypeError(f"no fused path for {type(norm).__name__}")
+
+
+def add_norm_torch(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x if delta is None else x + delta
+    weight, bias, eps, rms = _norm_params(norm)
+    if rms:
+        return s, weight * F.rms_norm(s, (s.shape[-1],), eps=eps)
+    return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+
+
+def add_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    weight, bias, eps, rms = _norm_params(norm)
+    rows, cols = x.shape
+    s = x if delta is None else torch.empty_like(x)
+    out = torch.empty_like(x)
+    if rows:
+        _add_norm_rows[(rows,)](
+            x, x if delta is None else delta, weight, weight if bias is None else bias, s, out, cols, eps,
+            HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, BLOCK=triton.next_power_of_2(cols),
+        )
+    return s, out
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s)) with s = x + delta (or x): a residual add and the next norm in one pass."""
+    if _use("add_norm", x) and x.dim() == 2 and x.is_contiguous() \
+            and (delta is None or (delta.is_contiguous() and delta.dtype == x.dtype)):
+        return add_norm_triton(x, delta, norm)
+    return add_norm_torch(x, delta, norm)
+
+
+# ---- enabling ---------------------------------------------------------------------------------------
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """Relative difference of each fused kernel to its torch path on seeded random inputs
+    (infinity where the kernel fails to compile or run)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=gen).to(dtype)
+
+    def rotary() -> float:
+        qkv = randn(37, 3, 16, 80)
         cos = torch.rand(37, 80, device=device, generator=gen)[:, None, None]
         sin = torch.rand(37, 80, device=device, generator=gen)[:, None, None]
-        fast, ref = rotary_triton(qkv[:, :2], cos, sin), rotary_torch(qkv[:, :2], cos, sin)
-        err = ((fast.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        _TRITON_OK = err < 1e-2
-        log.info("Triton rotary kernel %s (max rel diff to torch %.1e)", "on" if _TRITON_OK else "OFF", err)
-    except Exception as exc:  # noqa: BLE001 - no compiler, no driver support: keep the torch path
-        log.warning("Triton rotary kernel unavailable, using torch: %s", exc)
-        _TRITON_OK = False
-    return _TRITON_OK
+        return _rel(rotary_triton(qkv[:, :2], cos, sin), rotary_torch(qkv[:, :2], cos, sin))
+
+    def act() -> float:
+        h = randn(37, 2 * 1088) * 3
+        plain = max(_rel(act_triton(h, a), act_torch(h, a)) for a in ACT_CODES)
+        return max(plain, _rel(act_triton(h, "silu", 1000), act_torch(h, "silu", 1000)))
+
+    def add_norm_() -> float:
+        x, d = randn(37, 1152), randn(37, 1152)
+        ln = nn.LayerNorm(1152, eps=1e-6, device=device, dtype=dtype)
+        with torch.no_grad():
+            ln.weight.copy_(randn(1152))
+            ln.bias.copy_(randn(1152))
+        worst = 0.0
+        for norm in (ln, _RmsProbe(randn(1152))):
+            for delta in (d, None):
+                (s1, n1), (s2, n2) = add_norm_triton(x, delta, norm), add_norm_torch(x, delta, norm)
+                worst = max(worst, _rel(s1, s2), _rel(n1, n2))
+        return worst
+
+    def gelu_epilogue() -> float:
+        x = randn(37, 1152)
+        fc = nn.Linear(1152, 4304, device=device, dtype=dtype)
+        with torch.no_grad():
+            fused = torch._addmm_activation(fc.bias, x, fc.weight.t(), use_gelu=True)
+            return _rel(fused, act_torch(fc(x), "gelu_pytorch_tanh"))
+
+    checks = {"rotary": rotary, "act": act, "add_norm": add_norm_, "gelu_epilogue": gelu_epilogue}
+    errors: dict[str, float] = {}
+    for name, check in checks.items():
+        if name == "gelu_epilogue" and device.type != "cuda":
+            continue  # a cuBLASLt epilogue: nothing to check elsewhere
+        try:
+            errors[name] = check()
+        except Exception as exc:  # noqa: BLE001 - no compiler, no driver support: keep the torch path
+            log.warning("fused kernel %s unavailable, using torch: %s", name, exc)
+            errors[name] = float("inf")
+    return errors
+
+
+class _RmsProbe(nn.Module):
+    rms = True
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(weight, requires_grad=False), 1e-6
+
+
+def set_enabled(names: set[str] | None) -> None:
+    """Force the set of fused kernels (None: none); for benchmarks that compare with the torch path."""
+    _enabled.clear()
+    _enabled.update(names or ())
+
+
+def enable_triton(device: torch.device) -> bool:
+    """Turn on each fused kernel that works here and matches its torch path; log which are used.
+    True when all of them are on."""
+    if device.type != "cuda" or not _HAVE_TRITON:
+        return False
+    errors = check_kernels(device)
+    set_enabled({name for name, err in errors.items() if err < 1e-2})
+    states = (f"{n} {'on' if n in _enabled else 'OFF'} ({e:.1e})" for n, e in errors.items())
+    log.info("fused kernels (relative difference to torch): %s", ", ".join(states))
+    return _enabled == set(KERNELS)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import packed_attention
-from models.kernels import apply_rotary
+from models.kernels import ACTIVATIONS, add_norm, apply_rotary, linear_act
 
 
 class PatchEmbed(nn.Module):
@@ -29,33 +29,37 @@ class PatchEmbed(nn.Module):
 class RMSNorm(nn.Module):
     """Normalise in float32, round to the input dtype, then scale, as the reference does."""
 
+    rms = True  # read by models.kernels.add_norm
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # torch's kernel accumulates in float32 and rounds once to x's dtype, as the reference does.
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return add_norm(x, None, self)[1]
 
 
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
+def check_activation(name: str) -> str:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported vision activation {name!r}; known: {sorted(ACTIVATIONS)}")
+    return name
 
 
-ACTIVATIONS = {
-    "quick_gelu": quick_gelu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-}
+class Mlp(nn.Module):
+    """fc2(act(fc1(x))). The attribute names differ between families (`fc1` in Qwen2-VL,
+    `linear_fc1` in Qwen3-VL), so the checkpoint's names are given."""
 
+    def __init__(self, dim: int, hidden: int, act: str, names: tuple[str, str] = ("fc1", "fc2")) -> None:
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], nn.Linear(dim, hidden))
+        setattr(self, names[1], nn.Linear(hidden, dim))
+        self.act = check_activation(act)
 
-def activation(name: str):
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unsupported vision activation {name!r}; known: {sorted(ACTIVATIONS)}") from None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = (getattr(self, n) for n in self.names)
+        return fc2(linear_act(x, fc1, self.act))
 
 
 class Rotary2D(nn.Module):
@@ -106,17 +110,24 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; the families differ only in their norm and MLP modules."""
+    """Pre-norm transformer block; the families differ only in their norm and MLP modules.
+
+    The residual adds are fused with the norm that follows them (models.kernels.add_norm), so a
+    block takes its input already normalised and returns the MLP output unadded: the caller adds
+    it together with the next block's first norm (see QwenTower.run_blocks).
+    """
 
     def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: Attention, mlp: nn.Module) -> None:
         super().__init__()
         self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens, max_seqlen)
-        return x + self.mlp(self.norm2(x))
+        self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cu_seqlens: torch.Tensor, max_seqlen: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, normed: norm1(x) -> (x + attention, MLP output)."""
+        x, normed = add_norm(x, self.attn(normed, cos, sin, cu_seqlens, max_seqlen), self.norm2)
+        return x, self.mlp(normed)
 
 
 class Normalize(nn.Module):

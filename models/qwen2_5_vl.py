@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from models.config import ProcessorConfig
-from models.layers import Attention, Block, RMSNorm, activation
+from models.kernels import ACTIVATIONS, activate
+from models.layers import Attention, Block, RMSNorm, check_activation
 from models.metadata import padded_cumsum
 from models.protocol import Capacity, Grid, TowerOutput
 from models.qwen2_vl import Merger
@@ -35,7 +36,7 @@ class GatedMlp(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
-        self.act = activation(act)
+        self.act = check_activation(act)
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fuse(self) -> None:
@@ -54,10 +55,10 @@ class GatedMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
         weight, bias, down_weight, padded = self.fused
-        gate, up = torch.nn.functional.linear(x, weight, bias).split(padded, dim=-1)
-        return torch.nn.functional.linear(self.act(gate) * up, down_weight, self.down_proj.bias)
+        hidden = activate(torch.nn.functional.linear(x, weight, bias), self.act, gated_width=padded)
+        return torch.nn.functional.linear(hidden, down_weight, self.down_proj.bias)
 
 
 class Qwen2_5VisionTower(QwenTower):
@@ -138,13 +139,13 @@ class Qwen2_5VisionTower(QwenTower):
         return meta
 
     # ---- device half ----------------------------------------------------------------------
+    def layer_segments(self, layer: int, meta: dict[str, torch.Tensor], cap: Capacity) -> tuple[torch.Tensor, int]:
+        if layer in self.full_attention:
+            return meta["cu_seqlens"], cap.max_seqlen
+        return meta["cu_window_seqlens"], cap.max_window_seqlen
+
     def _encode(self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         n, unit = x.shape[0], self.merge_unit
         x = x.view(n // unit, unit, -1)[meta["window_index"]].view(n, -1)
-        cos, sin = self.rotary(meta["pos_ids"])
-        for i, blk in enumerate(self.blocks):
-            if i in self.full_attention:
-                x = blk(x, cos, sin, meta["cu_seqlens"], cap.max_seqlen)
-            else:
-                x = blk(x, cos, sin, meta["cu_window_seqlens"], cap.max_window_seqlen)
+        x, _ = self.run_blocks(x, meta, cap)
         return TowerOutput(self.merger(x)[meta["reverse_index"]], [])

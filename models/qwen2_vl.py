@@ -8,19 +8,9 @@ import torch
 from torch import nn
 
 from models.config import ProcessorConfig
-from models.layers import Attention, Block, activation
+from models.layers import Attention, Block, Mlp
 from models.protocol import Capacity, TowerOutput
 from models.tower import QwenTower
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class Merger(nn.Module):

@@ -15,20 +15,10 @@ import torch
 from torch import nn
 
 from models.config import ProcessorConfig
-from models.layers import Attention, Block, activation
+from models.layers import Attention, Block, Mlp
 from models.metadata import block_order_positions
 from models.protocol import Capacity, Grid, TowerOutput
 from models.tower import QwenTower
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.linear_fc1, self.linear_fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Merger(nn.Module):
@@ -70,7 +60,7 @@ class Qwen3VisionTower(QwenTower):
                 nn.LayerNorm(dim, eps=1e-6),
                 nn.LayerNorm(dim, eps=1e-6),
                 Attention(dim, self.heads, backend),
-                Mlp(dim, vision_config.intermediate_size, vision_config.hidden_act),
+                Mlp(dim, vision_config.intermediate_size, vision_config.hidden_act, ("linear_fc1", "linear_fc2")),
             )
             for _ in range(vision_config.depth)
         )
@@ -106,7 +96,6 @@ class Qwen3VisionTower(QwenTower):
     def _encode(self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         table = self.pos_embed.weight
         pos = (table[meta["interp_idx"]] * meta["interp_w"][..., None]).sum(1)
-        x = x + pos.to(x.dtype)
-        x, tapped = self.run_blocks(x, meta, cap, taps=self.deepstack_layers)
+        x, tapped = self.run_blocks(x, meta, cap, taps=self.deepstack_layers, delta=pos.to(x.dtype))
         deepstack = [merger(h) for merger, h in zip(self.deepstack_merger_list, tapped)]
         return TowerOutput(self.merger(x), deepstack)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from models.config import ProcessorConfig
+from models.kernels import add_norm
 from models.layers import Normalize, PatchEmbed, Rotary2D
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
 from models.protocol import Capacity, CapacityError, Grid, TowerOutput
@@ -80,12 +81,28 @@ class QwenTower(nn.Module):
     def _encode(self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         raise NotImplementedError
 
-    def run_blocks(self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity, taps=()) -> tuple:
-        """The block stack over full-frame segments; returns x and the hidden states after `taps`."""
+    def layer_segments(self, layer: int, meta: dict[str, torch.Tensor], cap: Capacity) -> tuple[torch.Tensor, int]:
+        """The attention segments of one layer (cu_seqlens, longest-segment bound): whole frames here."""
+        return meta["cu_seqlens"], cap.max_seqlen
+
+    def run_blocks(
+        self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity, taps=(), delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The block stack on x (+ delta); returns x and the hidden states after the `taps` layers.
+
+        Each residual add runs fused with the norm after it, so the stream is carried as
+        (x, norm(x)) from one block to the next.
+        """
         cos, sin = self.rotary(meta["pos_ids"])
         tapped: dict[int, torch.Tensor] = {}
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, meta["cu_seqlens"], cap.max_seqlen)
+        blocks = list(self.blocks)
+        x, normed = add_norm(x, delta, blocks[0].norm1)
+        for i, blk in enumerate(blocks):
+            x, mlp_out = blk(x, normed, cos, sin, *self.layer_segments(i, meta, cap))
+            if i + 1 < len(blocks):
+                x, normed = add_norm(x, mlp_out, blocks[i + 1].norm1)
+            else:
+                x = x + mlp_out
             if i in taps:
                 tapped[i] = x
         return x, [tapped[i] for i in taps]

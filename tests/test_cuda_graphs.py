@@ -172,16 +172,26 @@ def test_injected_capture_failure_serves_eagerly():
     assert runner.stats.eager_items["capture_failed"] == 1
 
 
-def test_triton_rotary_matches_torch():
+def test_fused_kernels_enable_and_match_torch():
     from models import kernels
 
-    assert kernels.enable_triton(DEV), "Triton rotary kernel did not enable on the GPU machine"
+    errors = kernels.check_kernels(DEV)
+    print("fused kernels, relative difference to torch (bf16):", errors)
+    assert kernels.enable_triton(DEV), errors
+    assert max(errors.values()) < 1e-2
     for heads, dim in [(16, 80), (16, 72), (4, 16)]:
         qkv = torch.randn(1000, 3, heads, dim, device=DEV).to(torch.bfloat16)
         cos, sin = torch.rand(1000, dim, device=DEV)[:, None, None], torch.rand(1000, dim, device=DEV)[:, None, None]
-        fast = kernels.rotary_triton(qkv[:, :2], cos, sin)
-        ref = kernels.rotary_torch(qkv[:, :2], cos, sin)
-        assert rel_err(fast, ref) < 1e-3
+        assert rel_err(kernels.rotary_triton(qkv[:, :2], cos, sin), kernels.rotary_torch(qkv[:, :2], cos, sin)) < 1e-2
+    h = torch.randn(3000, 2 * 3456, device=DEV).to(torch.bfloat16) * 3
+    for act in kernels.ACT_CODES:
+        assert rel_err(kernels.act_triton(h, act), kernels.act_torch(h, act)) < 1e-2
+        assert rel_err(kernels.act_triton(h, act, 3420), kernels.act_torch(h, act, 3420)) < 1e-2
+    # float32 (the reference towers of these tests run the same kernels): agreement to rounding
+    x, d = torch.randn(2000, 1280, device=DEV), torch.randn(2000, 1280, device=DEV)
+    norm = torch.nn.LayerNorm(1280, eps=1e-6, device=DEV)
+    (s1, n1), (s2, n2) = kernels.add_norm_triton(x, d, norm), kernels.add_norm_torch(x, d, norm)
+    assert rel_err(s1, s2) < 1e-6 and rel_err(n1, n2) < 1e-5
 
 
 def test_video_chunking_equals_eager_on_the_gpu():

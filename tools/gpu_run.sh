@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the cuda-marked tests, then the benchmark. Logs under $OUT.
+#   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  PROFILE="model@workload ..."  CHUNKING=model
+#   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
+#   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried)
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -m cuda -s ${CUDA_TESTS:-tests/test_cuda_graphs.py} 2>&1 | tee "$OUT/cuda_tests.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/cuda_tests.log"
+if [ "${CUDA:-1}" = 1 ]; then
+  # shellcheck disable=SC2086 # CUDA_TESTS may name several files
+  python3 -m pytest -q -m cuda -s ${CUDA_TESTS:-tests/test_cuda_graphs.py} 2>&1 | tee -a "$OUT/cuda_tests.log"
+fi
+if [ "${HF_VIDEO:-0}" = 1 ]; then
+  python3 -m pytest -q -s -p no:cacheprovider tests/test_video_hf_processors.py 2>&1 | tee "$OUT/video_hf.log"
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 -c "import sys; from pathlib import Path; from service.bench import run; \
 run(sys.argv[1].split(','), Path('$OUT'), only=(sys.argv[2].split(',') if sys.argv[2] else None))" \
@@ -19,4 +28,9 @@ fi
 if [ -n "${CHUNKING:-}" ]; then
   python3 -c "import sys; from pathlib import Path; from service.bench import bench_chunking; \
 bench_chunking(sys.argv[1], Path('$OUT/chunking.jsonl'))" "$CHUNKING" 2>&1 | grep -v RANDOM | tail -4
+fi
+if [ -n "${HTTP:-}" ]; then
+  timeout 420 python3 -m service.cli bench --http --model "$HTTP" --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" \
+    --requests-per-level "${HTTP_REQUESTS:-512}" --level-time-s "${HTTP_LEVEL_S:-15}" --out "$OUT/http_bench.json" 2>&1 \
+    | tail -40 | tee "$OUT/http.log"
 fi

@@ -1,0 +1,113 @@
+"""The fused Triton kernels (models/kernels.py) against their torch paths, on the CPU.
+
+Triton's interpreter (TRITON_INTERPRET=1) runs the same kernel code with numpy; it must be set
+before the kernels are defined, hence a subprocess. In float32 the kernels must agree with torch
+to rounding; in bfloat16 the interpreter converts float32 to bfloat16 by truncation where the GPU
+rounds to nearest, so there the bound is only a sanity check (the GPU test in test_cuda_graphs.py
+holds the kernels to the load-time bound).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is a test dependency on x86-64 Linux (pyproject.toml)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, torch
+from torch import nn
+from models import kernels as K
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+results = {}
+for dtype in (torch.float32, torch.bfloat16):
+    name = str(dtype).split(".")[-1]
+    gen = torch.Generator().manual_seed(1)
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+    worst = {}
+    for rows, heads, dim in [(5, 16, 80), (3, 16, 72), (1, 4, 16), (0, 16, 80)]:
+        qkv = randn(rows, 3, heads, dim)
+        cos = torch.rand(rows, dim, generator=gen)[:, None, None]
+        sin = torch.rand(rows, dim, generator=gen)[:, None, None]
+        fast, ref = K.rotary_triton(qkv[:, :2], cos, sin), K.rotary_torch(qkv[:, :2], cos, sin)
+        assert fast.shape == ref.shape
+        if rows:
+            worst["rotary"] = max(worst.get("rotary", 0), rel(fast, ref))
+    for rows, width in [(4, 5120), (3, 1000), (2, 1), (0, 64)]:
+        h = randn(rows, 2 * width) * 3
+        for act in K.ACT_CODES:
+            for gated in (None, width):
+                fast, ref = K.act_triton(h, act, gated), K.act_torch(h, act, gated)
+                assert fast.shape == ref.shape
+                if rows:
+                    worst["act"] = max(worst.get("act", 0), rel(fast, ref))
+    for rows, dim in [(4, 1280), (3, 1152), (2, 100), (0, 1280)]:
+        ln = nn.LayerNorm(dim, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            ln.weight.copy_(torch.randn(dim, generator=gen))
+            ln.bias.copy_(torch.randn(dim, generator=gen))
+        rms = K._RmsProbe(randn(dim))
+        x, d = randn(rows, dim) * 4 + 1, randn(rows, dim)
+        for norm in (ln, rms):
+            for delta in (d, None):
+                (s1, n1), (s2, n2) = K.add_norm_triton(x, delta, norm), K.add_norm_torch(x, delta, norm)
+                assert s1.shape == s2.shape and n1.shape == n2.shape
+                if rows:
+                    worst["add_norm"] = max(worst.get("add_norm", 0), rel(s1, s2), rel(n1, n2))
+    results[name] = worst
+results["check_kernels"] = K.check_kernels(torch.device("cpu"), torch.float32)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernel", ["rotary", "act", "add_norm"])
+def test_kernels_match_torch_in_float32(interpreted: dict, kernel: str) -> None:
+    assert interpreted["float32"][kernel] < 1e-6
+
+
+@pytest.mark.parametrize("kernel", ["rotary", "act", "add_norm"])
+def test_kernels_close_to_torch_in_bfloat16(interpreted: dict, kernel: str) -> None:
+    assert interpreted["bfloat16"][kernel] < 2e-2
+
+
+def test_load_time_check_covers_every_triton_kernel(interpreted: dict) -> None:
+    errors = interpreted["check_kernels"]
+    assert set(errors) == {"rotary", "act", "add_norm"}  # gelu_epilogue is cuBLASLt: GPU only
+    assert max(errors.values()) < 1e-6
+
+
+def test_torch_path_on_cpu_tensors() -> None:
+    """Without CUDA tensors no fused kernel is used, whatever is enabled."""
+    import torch
+
+    from models import kernels
+
+    kernels.set_enabled(set(kernels.KERNELS))
+    try:
+        x = torch.randn(3, 8)
+        norm = torch.nn.LayerNorm(8)
+        s, n = kernels.add_norm(x, x, norm)
+        assert torch.equal(s, x + x) and torch.allclose(n, norm(x + x))
+        assert torch.equal(kernels.activate(x, "quick_gelu"), x * torch.sigmoid(1.702 * x))
+    finally:
+        kernels.set_enabled(None)
