@@ -283,3 +283,28 @@ def test_damaged_files_raise_media_error_only(
         }
     else:
         assert got.frames.dtype == np.uint8 and got.frames.ndim == 4
+
+
+class _Side:
+    """A display-matrix side datum as PyAV exposes it (type, bytes)."""
+
+    def __init__(self, matrix: list[int]) -> None:
+        self.type = type("Type", (), {"name": "DISPLAYMATRIX"})()
+        self._bytes = np.array(matrix, dtype=np.int32).tobytes()
+
+    def __bytes__(self) -> bytes:
+        return self._bytes
+
+
+@pytest.mark.parametrize("style", ["sequence", "mapping"])
+def test_display_matrix_read_from_either_side_data_shape(style: str) -> None:
+    """PyAV <= 18 iterates side data; PyAV 19 iterates their types (a mapping). Both are read."""
+    from types import SimpleNamespace
+
+    from service.media.video import _orientation
+
+    rotated = _Side([0, 65536, 0, -65536, 0, 0, 0, 0, 1 << 30])  # 90 degrees: a transposed matrix
+    side_data = {"DISPLAYMATRIX": rotated} if style == "mapping" else [rotated]
+    frame = SimpleNamespace(side_data=side_data)
+    stream = SimpleNamespace(metadata={})
+    assert _orientation(frame, stream) == (True, False, True)  # type: ignore[arg-type]

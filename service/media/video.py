@@ -421,7 +421,9 @@ def _orientation(frame: av.VideoFrame, stream: av.video.stream.VideoStream) -> t
     layout [a b u; c d v; x y w]). Axis-aligned matrices are the 8 rotations/flips; anything else is
     snapped to the closest of them by the signs of its dominant entries.
     """
-    for side in frame.side_data:
+    for entry in frame.side_data:
+        # PyAV <= 18 iterates the side data themselves; 19 made the container a mapping by type.
+        side = entry if hasattr(entry, "type") else frame.side_data[entry]
         if getattr(side.type, "name", "") == "DISPLAYMATRIX":
             m = np.frombuffer(bytes(side), dtype=np.int32)
             if m.size >= 5:
