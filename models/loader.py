@@ -40,11 +40,11 @@ class CheckpointError(ValueError):
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is None:  # name the device: set_device and streams need an index
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

@@ -725,8 +725,8 @@ def _options(item: MediaItem, allowed: tuple[str, ...]) -> dict[str, Any]:
 
 def _bind_device(device: torch.device) -> None:
     # The current CUDA device is per thread: the loading and engine threads must use the served one.
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # "cuda" without an index is the default device, as torch reads it
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

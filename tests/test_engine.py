@@ -287,3 +287,22 @@ def test_batching_window_waits_for_more_items(tower):
     finally:
         engine.stop()
     assert [len(b) for b in rec.batches] == [2]
+
+
+def test_cuda_without_an_index_is_resolved_to_the_current_device(monkeypatch) -> None:
+    """`--device cuda` must reach torch.cuda.set_device with an index (it refuses a bare "cuda")."""
+    import torch
+
+    from models.loader import resolve_device
+    from service import engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("auto") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    engine._bind_device(torch.device("cuda"))
+    engine._bind_device(torch.device("cuda", 1))
+    assert calls == [3, torch.device("cuda", 1)]
