@@ -284,6 +284,7 @@ class Engine:
         self.started_at = time.time()
         self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vitserve-pre")
         self._cond = threading.Condition()
+        self._preparing = 0  # requests admitted and preprocessing, not yet queued
         self._queues: dict[str, deque[_Work]] = {"image": deque(), "video": deque()}
         self._queued_items = 0
         self._queued_tokens = 0
@@ -449,31 +450,42 @@ class Engine:
         model = self.model
         assert model is not None
         loop = asyncio.get_running_loop()
-        prepared = await self._preprocess_all(items, loop)
-        merge_unit = model.merge_unit
-        tokens = [v.num_patches // merge_unit for v, _ in prepared]
-        total = sum(tokens)
-        limit = self.settings.queue_tokens_limit
-        if total > limit:
-            raise RequestRejected(f"the request needs {total} tokens, above the queue limit of {limit} "
-                                  "(--max-queued-tokens): send fewer or smaller items", "too_many_tokens")
-        works = [
-            _Work(it, v, n, spec, spec.ec_cache and it.id is not None, loop.create_future(), loop, dt)
-            for it, (v, dt), n in zip(items, prepared, tokens)
-        ]
         with self._cond:
-            self._check_admitted()
-            if self._queued_tokens + total > limit:
-                raise Overloaded(f"the queue holds {self._queued_tokens} tokens; {total} more would pass "
-                                 f"the limit of {limit}")
-            now = time.monotonic()
-            for w in works:
-                w.enqueued = now
-                self._queues[w.visual.modality].append(w)
-            self._queued_items += len(works)
-            self._queued_tokens += total
-            self._publish_queue()
-            self._cond.notify()
+            self._preparing += 1  # the engine may hold a batch open for this request (see _take)
+        enqueued = False
+        try:
+            prepared = await self._preprocess_all(items, loop)
+            merge_unit = model.merge_unit
+            tokens = [v.num_patches // merge_unit for v, _ in prepared]
+            total = sum(tokens)
+            limit = self.settings.queue_tokens_limit
+            if total > limit:
+                raise RequestRejected(f"the request needs {total} tokens, above the queue limit of {limit} "
+                                      "(--max-queued-tokens): send fewer or smaller items", "too_many_tokens")
+            works = [
+                _Work(it, v, n, spec, spec.ec_cache and it.id is not None, loop.create_future(), loop, dt)
+                for it, (v, dt), n in zip(items, prepared, tokens)
+            ]
+            with self._cond:
+                self._preparing -= 1
+                enqueued = True
+                self._check_admitted()
+                if self._queued_tokens + total > limit:
+                    raise Overloaded(f"the queue holds {self._queued_tokens} tokens; {total} more would pass "
+                                     f"the limit of {limit}")
+                now = time.monotonic()
+                for w in works:
+                    w.enqueued = now
+                    self._queues[w.visual.modality].append(w)
+                self._queued_items += len(works)
+                self._queued_tokens += total
+                self._publish_queue()
+                self._cond.notify()
+        finally:
+            if not enqueued:
+                with self._cond:
+                    self._preparing -= 1
+                    self._cond.notify()
         try:
             return list(await asyncio.gather(*(w.future for w in works)))
         except BaseException:
@@ -549,7 +561,9 @@ class Engine:
             if self._stopping:
                 return None
             oldest = min(q[0].enqueued for q in self._queues.values() if q)
-            while self._queued_tokens < full and not self._stopping:
+            # Hold the batch open only while another request is still being preprocessed: nothing
+            # else could join it in time, so a lone request goes at once.
+            while self._queued_tokens < full and self._preparing and not self._stopping:
                 remaining = oldest + max_wait - time.monotonic()
                 if remaining <= 0:
                     break

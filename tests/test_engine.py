@@ -269,24 +269,48 @@ def test_output_layouts_qwen3(tower3):
     assert res.id == "abc" and res.num_tokens == n and res.queue_s >= 0 and res.preprocess_s > 0
 
 
-def test_batching_window_waits_for_more_items(tower):
-    """With a window, items that arrive a little apart still share a batch."""
-    engine, runner = make_engine(tower, max_wait_ms=300)
+def test_batching_window_holds_for_requests_still_preprocessing(tower):
+    """A batch waits (up to the window) for a request whose items are still being preprocessed."""
+    engine, runner = make_engine(tower, max_wait_ms=5000)
     rec = Recorder(runner)
+    slow_item = images(1, seed=3)
+    inner = engine._preprocess
+
+    def preprocess(item, cfg):
+        if item.data == slow_item[0].data:
+            time.sleep(0.3)  # still preprocessing when the other request is queued
+        return inner(item, cfg)
+
+    engine._preprocess = preprocess  # type: ignore[method-assign]
 
     async def go():
-        a = asyncio.ensure_future(engine.encode(images(1), OutputSpec()))
-        await asyncio.sleep(0.05)
-        b = asyncio.ensure_future(engine.encode(images(1, seed=3), OutputSpec()))
-        t0 = time.perf_counter()
-        await asyncio.gather(a, b)
-        return time.perf_counter() - t0
+        return await asyncio.gather(engine.encode(images(1), OutputSpec()), engine.encode(slow_item, OutputSpec()))
 
     try:
-        asyncio.run(go())
+        first, _ = asyncio.run(go())
     finally:
         engine.stop()
     assert [len(b) for b in rec.batches] == [2]
+    assert first[0].queue_s >= 0.2  # it waited for the slow one
+
+
+def test_lone_request_does_not_wait_for_the_window(tower):
+    """With nothing else being preprocessed, no other item can join in time: the batch goes at once."""
+    engine, runner = make_engine(tower, max_wait_ms=5000)
+    rec = Recorder(runner)
+
+    async def go():
+        first = await engine.encode(images(1), OutputSpec())
+        await asyncio.sleep(0.05)  # arrives after the first was queued: the next batch
+        second = await engine.encode(images(1, seed=3), OutputSpec())
+        return first, second
+
+    try:
+        first, second = asyncio.run(go())
+    finally:
+        engine.stop()
+    assert [len(b) for b in rec.batches] == [1, 1]
+    assert first[0].queue_s < 2.0 and second[0].queue_s < 2.0  # far below the 5 s window
 
 
 def test_cuda_without_an_index_is_resolved_to_the_current_device(monkeypatch) -> None:
