@@ -248,27 +248,52 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
 
 
 def profile(name: str, workload: str, out_path: Path, max_batch_tokens: int = 16384) -> None:
-    """Kernel-time breakdown of one graph-path workload (torch.profiler), for finding the gap to the floor."""
+    """Kernel-time breakdown of one workload (torch.profiler) on the eager path, which runs the graph
+    path's kernels at exact shapes, plus the wall time of graph and eager `encode` calls, so a gap
+    to the floor shows as kernel time or as host time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     tower = load_tower(name, device="cuda", dtype="bfloat16")
-    runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower, max_batch_tokens=max_batch_tokens),
-                         use_graphs=False)
+    plan = plan_for(tower, max_batch_tokens=max_batch_tokens)
+    runner = GraphRunner(tower, torch.device("cuda"), plan, use_graphs=False)
     rng = np.random.default_rng(0)
     items = [VisualInput("video" if t > 1 else "image",
-                         rng.integers(0, 256, (t * h * w, tower.processor.patch_dim), dtype=np.uint8), (t, h, w))
+                         torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
+                                                       dtype=np.uint8)).cuda(), (t, h, w))
              for t, h, w in workloads(tower.processor.patch_size)[workload]]
-    runner.encode(items)
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.encode(items)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    with torch.inference_mode():
+        ms_eager = cuda_time(lambda: runner.encode(items))
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.encode(items)
+            torch.cuda.synchronize()
+        modalities = tuple(sorted({it.modality for it in items}))
+        graph_ms = {}
+        fused = set(kernels._enabled)
+        # The graph path once per kernel set: all fused kernels, each one left out, none.
+        for label, subset in [("all", fused), *[(f"no {k}", fused - {k}) for k in sorted(fused)], ("none", set())]:
+            kernels.set_enabled(subset)
+            graphs = GraphRunner(tower, torch.device("cuda"), plan, modalities=modalities)
+            graphs.capture()
+            before = graphs.stats.as_dict()
+            graph_ms[label] = round(cuda_time(lambda g=graphs: g.encode(items)), 3)
+            after = graphs.stats.as_dict()
+            graphs.pool.graphs.clear()  # give the pool's memory back before the next capture
+            torch.cuda.empty_cache()
+        kernels.set_enabled(fused)
+        ms_graph = graph_ms["all"]
+    replays = {k: v - before["replays"].get(k, 0) for k, v in after["replays"].items()
+               if v != before["replays"].get(k, 0)}
+    events = prof.key_averages()
+    kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
+    table = events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     with open(out_path, "a") as f:
-        f.write(f"== {name} {workload} (eager path, same kernels as the graph)\n{table}\n")
-    del runner, tower
-    torch.cuda.empty_cache()
+        f.write(f"== {name} {workload}: eager {ms_eager:.2f} ms wall, {kernel_ms:.2f} ms of kernels; "
+                f"graph {ms_graph:.2f} ms wall; fused kernels {sorted(kernels._enabled)}\n"
+                f"graph ms by kernel set: {graph_ms}\nreplays per key (13 runs): {replays}; "
+                f"eager items: {after['eager_items']}\n{table}\n")
+    print(f"{name} {workload}: eager {ms_eager:.2f} ms, kernels {kernel_ms:.2f} ms, graph {graph_ms}, "
+          f"replays {replays}", flush=True)
 
 
 def bench_chunking(name: str, out_path: Path, frames: tuple[int, ...] = (64, 256), side: int = 448) -> list[dict]:

@@ -297,6 +297,50 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
             "client_cpu_util": round(cpu / wall, 3) if wall > 0 else None}
 
 
+# Server-side histograms whose mean over a level shows where a request's time went.
+STAGES = {
+    "request": "vitserve_request_duration_seconds",
+    "preprocess": "vitserve_preprocess_duration_seconds",
+    "queue": "vitserve_queue_duration_seconds",
+    "gpu_per_batch": "vitserve_gpu_duration_seconds",
+    "items_per_batch": "vitserve_batch_items",
+}
+
+
+def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each STAGES histogram from the server's /metrics; {} when unavailable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(base_url + "/metrics")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback only (check_loopback)
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")) and not sample.labels:
+                samples[sample.name] = sample.value
+    return {stage: (samples.get(name + "_sum", 0.0), samples.get(name + "_count", 0.0))
+            for stage, name in STAGES.items()}
+
+
+def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean of each stage over the level (ms; items for items_per_batch)."""
+    out = {}
+    for stage in STAGES:
+        if stage not in before or stage not in after:
+            continue
+        total, count = after[stage][0] - before[stage][0], after[stage][1] - before[stage][1]
+        if count > 0:
+            scale = 1 if stage == "items_per_batch" else 1e3
+            out[stage] = round(total / count * scale, 3)
+    return out
+
+
 def check_response(base_url: str, body: bytes, api_key: str | None, client: str = "http.client") -> dict[str, Any]:
     """One request, fully checked: 200, one item, bfloat16 bytes matching the announced shape."""
     import base64
@@ -497,10 +541,13 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             check_response(base_url, bodies[i % len(bodies)], api_key, client)
         levels = []
         for c in levels_wanted:
+            before = server_stage_totals(base_url, api_key)
             level = run_level(base_url, bodies, c, requests_per_level, level_time_s, api_key, client=client)
+            level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key))
             levels.append(level)
             log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s  p50 {level['p50_ms']} ms  p90 {level['p90_ms']} "
-                f"ms  p99 {level['p99_ms']} ms  errors {sum(level['errors'].values())} ({level['stopped_by']})")
+                f"ms  p99 {level['p99_ms']} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
+                f"server means {level['server_ms']}")
         return {"server": server, "workload": workload, "engine": engine, "levels": levels}
 
     limits = {"concurrency": levels_wanted, "requests_per_level": requests_per_level, "level_time_s": level_time_s,

@@ -14,7 +14,7 @@ from service.cli import main
 from tests.http_helpers import free_port, loopback_http_server, server_url
 
 LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
-                "mean_ms", "max_ms", "stopped_by", "client_cpu_util"}
+                "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms"}
 ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
                  "single_encode_ms", "batch_images", "batch_ms", "batch_preprocess_ms", "batch_encode_ms",
                  "images_per_s", "encode_only_images_per_s", "single_reps", "batch_reps"}
@@ -51,6 +51,11 @@ def test_http_bench_on_cpu(tmp_path):
         assert level["errors"] == {} and level["ok"] == level["requests"] == 6 and level["stopped_by"] == "requests"
         assert 0 < level["p50_ms"] <= level["p90_ms"] <= level["p99_ms"] <= level["max_ms"]
         assert level["images_per_s"] > 0
+        # the server's own means over the level, from its /metrics
+        server_ms = level["server_ms"]
+        assert set(server_ms) == {"request", "preprocess", "queue", "gpu_per_batch", "items_per_batch"}
+        assert 0 < server_ms["preprocess"] < server_ms["request"] <= level["max_ms"]
+        assert 1 <= server_ms["items_per_batch"] <= 2
 
     targets = result["targets"]
     assert set(targets) == TARGET_FIELDS
