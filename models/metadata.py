@@ -8,6 +8,7 @@ arrays point padding rows at themselves, weights are zero.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -29,13 +30,25 @@ def padded_cumsum(lengths: np.ndarray, slots: int) -> np.ndarray:
     return out
 
 
+# Per-frame metadata depends on the frame's shape alone, and traffic repeats shapes (a batch of
+# same-sized images, every frame of a video): the builders below cache by shape and return
+# read-only arrays, so a batch costs one lookup per item rather than one rebuild.
+GRID_CACHE_SIZE = 4096
+
+
+def frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@lru_cache(maxsize=GRID_CACHE_SIZE)
 def block_order_positions(h: int, w: int, merge: int) -> np.ndarray:
-    """(row, col) of each patch of one frame, in the processor's merge-block order: [h*w, 2]."""
+    """(row, col) of each patch of one frame, in the processor's merge-block order: [h*w, 2] (read-only)."""
     rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
     shape = (h // merge, merge, w // merge, merge)
     rows = rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
     cols = cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
-    return np.stack([rows, cols], axis=1)
+    return frozen(np.stack([rows, cols], axis=1))
 
 
 def rotary_positions(grids: Sequence[Grid], merge: int, patches: int) -> np.ndarray:
@@ -43,8 +56,7 @@ def rotary_positions(grids: Sequence[Grid], merge: int, patches: int) -> np.ndar
     out = np.zeros((patches, 2), dtype=np.int32)
     offset = 0
     for t, h, w in grids:
-        pos = block_order_positions(h, w, merge)
-        out[offset : offset + t * h * w] = np.tile(pos, (t, 1))
+        out[offset : offset + t * h * w].reshape(t, h * w, 2)[:] = block_order_positions(h, w, merge)
         offset += t * h * w
     return out
 

@@ -9,6 +9,7 @@ back in the original order at the end. Both permutations are metadata, built on 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from torch import nn
 from models.config import ProcessorConfig
 from models.kernels import ACTIVATIONS, activate
 from models.layers import Attention, Block, RMSNorm, check_activation
-from models.metadata import padded_cumsum
+from models.metadata import GRID_CACHE_SIZE, frozen, padded_cumsum
 from models.protocol import Capacity, Grid, TowerOutput
 from models.qwen2_vl import Merger
 from models.tower import QwenTower
@@ -61,6 +62,20 @@ class GatedMlp(nn.Module):
         return torch.nn.functional.linear(hidden, down_weight, self.down_proj.bias)
 
 
+@lru_cache(maxsize=GRID_CACHE_SIZE)
+def window_layout(t: int, h: int, w: int, merge: int, ws: int) -> tuple[np.ndarray, np.ndarray]:
+    """One grid's merge-group order putting each window of ws x ws groups together (from 0), and the
+    window lengths in patches (read-only)."""
+    gh, gw = h // merge, w // merge
+    nh, nw = -(-gh // ws), -(-gw // ws)
+    grid = np.full((t, nh * ws, nw * ws), -1, dtype=np.int64)
+    grid[:, :gh, :gw] = np.arange(t * gh * gw).reshape(t, gh, gw)
+    tiles = grid.reshape(t, nh, ws, nw, ws).transpose(0, 1, 3, 2, 4).reshape(t * nh * nw, ws * ws)
+    counts = (tiles >= 0).sum(1)
+    flat = tiles.reshape(-1)
+    return frozen(flat[flat >= 0]), frozen(counts[counts > 0] * merge * merge)
+
+
 class Qwen2_5VisionTower(QwenTower):
     family = "qwen2_5_vl"
 
@@ -94,18 +109,11 @@ class Qwen2_5VisionTower(QwenTower):
     def _windows(self, grids: Sequence[Grid]) -> tuple[np.ndarray, np.ndarray]:
         """Merge-group permutation putting each window together, and the window lengths in patches."""
         order, lengths, offset = [], [], 0
-        ws = self.window
         for t, h, w in grids:
-            gh, gw = h // self.merge, w // self.merge
-            nh, nw = -(-gh // ws), -(-gw // ws)
-            grid = np.full((t, nh * ws, nw * ws), -1, dtype=np.int64)
-            grid[:, :gh, :gw] = np.arange(t * gh * gw).reshape(t, gh, gw) + offset
-            tiles = grid.reshape(t, nh, ws, nw, ws).transpose(0, 1, 3, 2, 4).reshape(t * nh * nw, ws * ws)
-            counts = (tiles >= 0).sum(1)
-            flat = tiles.reshape(-1)
-            order.append(flat[flat >= 0])
-            lengths.append(counts[counts > 0] * self.merge_unit)
-            offset += t * gh * gw
+            grid_order, grid_lengths = window_layout(t, h, w, self.merge, self.window)
+            order.append(grid_order + offset)
+            lengths.append(grid_lengths)
+            offset += len(grid_order)
         if not order:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(order), np.concatenate(lengths)

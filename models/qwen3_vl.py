@@ -8,6 +8,7 @@ The resampling is metadata: four table indices and four weights per patch, built
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from torch import nn
 
 from models.config import ProcessorConfig
 from models.layers import Attention, Block, Mlp
-from models.metadata import block_order_positions
+from models.metadata import GRID_CACHE_SIZE, block_order_positions, frozen
 from models.protocol import Capacity, Grid, TowerOutput
 from models.tower import QwenTower
 
@@ -36,6 +37,17 @@ class Merger(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+@lru_cache(maxsize=GRID_CACHE_SIZE)
+def frame_taps(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Table indices and weights [h*w, 4] of one frame's patches, in merge-block order (read-only)."""
+    pos = block_order_positions(h, w, merge)
+    row_taps, row_w = _axis_taps(pos[:, 0], h, side)
+    col_taps, col_w = _axis_taps(pos[:, 1], w, side)
+    idx = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
+    wts = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4)
+    return frozen(idx), frozen(wts)
 
 
 def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
@@ -82,13 +94,9 @@ class Qwen3VisionTower(QwenTower):
         wts = np.zeros((cap.patches, 4), dtype=np.float32)
         offset = 0
         for t, h, w in grids:
-            pos = block_order_positions(h, w, self.merge)
-            row_taps, row_w = _axis_taps(pos[:, 0], h, self.side)
-            col_taps, col_w = _axis_taps(pos[:, 1], w, self.side)
-            frame_idx = (row_taps[:, :, None] * self.side + col_taps[:, None, :]).reshape(-1, 4)
-            frame_w = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4)
-            idx[offset : offset + t * h * w] = np.tile(frame_idx, (t, 1))
-            wts[offset : offset + t * h * w] = np.tile(frame_w, (t, 1))
+            frame_idx, frame_w = frame_taps(h, w, self.merge, self.side)
+            idx[offset : offset + t * h * w].reshape(t, h * w, 4)[:] = frame_idx
+            wts[offset : offset + t * h * w].reshape(t, h * w, 4)[:] = frame_w
             offset += t * h * w
         meta.update(interp_idx=idx, interp_w=wts)
         return meta

@@ -219,3 +219,20 @@ def test_more_windows_than_the_class_holds_falls_back_to_eager():
     for it, out in zip(items, r.encode(items)):
         assert rel_err(out.embeds, solo(r, it).embeds) < 1e-5
     assert r.stats.eager_items["layout_capacity"] == 2
+
+
+def test_per_frame_metadata_is_cached_read_only_and_batches_stay_independent():
+    """Per-frame builders cache by shape; the cached arrays cannot be changed through a batch's metadata."""
+    from models.metadata import block_order_positions
+    from models.qwen2_5_vl import window_layout
+    from models.qwen3_vl import frame_taps
+
+    for cached in (block_order_positions(4, 6, 2), *frame_taps(4, 6, 2, 48), *window_layout(2, 8, 8, 2, 2)):
+        assert not cached.flags.writeable
+    assert block_order_positions(4, 6, 2) is block_order_positions(4, 6, 2)
+    from models.metadata import rotary_positions
+
+    first = rotary_positions([(2, 4, 6)], 2, 64)
+    first[:] = -1  # a batch's own array: the cache is untouched
+    again = rotary_positions([(2, 4, 6)], 2, 64)
+    assert (again[:48] == np.tile(block_order_positions(4, 6, 2), (2, 1))).all() and (again[48:] == 0).all()
