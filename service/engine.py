@@ -626,7 +626,7 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 outs = runner.run_batch(batch, [w.visual for w in members])
-                results = [self._to_host(w, out, taken) for w, out in zip(members, outs)]
+                results = self._to_host_batch(members, outs, taken)
             except Exception as exc:
                 error_id = _error_id()
                 log.exception("batch %s of %d item(s) failed, error id %s", batch.key, len(members), error_id)
@@ -644,8 +644,28 @@ class Engine:
                 self.metrics.tokens.inc(w.tokens)
                 self._deliver(w, result=res)
 
-    def _to_host(self, w: _Work, out: ItemOutput, taken: float) -> ItemResult:
-        """Requested dtype and layout, copied to the host here so the event loop never syncs."""
+    def _to_host_batch(self, members: list[_Work], outs: list[ItemOutput], taken: float) -> list[ItemResult]:
+        """Every item's result on the host. The rows of all items that want the same dtype cross in one
+        copy per output (embeddings, each DeepStack level) rather than one per item: fewer device
+        syncs and fewer GIL handovers on the engine thread."""
+        embeds: list[torch.Tensor | None] = [None] * len(members)
+        deepstack: list[list[torch.Tensor]] = [[] for _ in members]
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, w in enumerate(members):
+            groups.setdefault(w.spec.dtype, []).append(i)
+        for dtype, idx in groups.items():
+            for i, host in zip(idx, _host_rows([outs[i].embeds for i in idx], dtype)):
+                embeds[i] = host
+            ds_idx = [i for i in idx if members[i].spec.deepstack]
+            for level in range(len(outs[0].deepstack) if ds_idx else 0):
+                for i, host in zip(ds_idx, _host_rows([outs[i].deepstack[level] for i in ds_idx], dtype)):
+                    deepstack[i].append(host)
+        return [self._to_host(w, out, taken, e, d) for w, out, e, d in zip(members, outs, embeds, deepstack)]
+
+    def _to_host(self, w: _Work, out: ItemOutput, taken: float, embeds: torch.Tensor | None = None,
+                 deepstack: list[torch.Tensor] | None = None) -> ItemResult:
+        """Requested dtype and layout, copied to the host here so the event loop never syncs
+        (`embeds` and `deepstack`: already on the host, from _to_host_batch)."""
         spec = w.spec
         parts = [out.embeds, *out.deepstack]
         # Only the vLLM format and the encoder cache want DeepStack beside the embedding: concatenate lazily.
@@ -659,8 +679,9 @@ class Engine:
             num_patches=v.num_patches,
             num_tokens=w.tokens,
             meta=dict(v.meta),
-            embeds=_host(out.embeds, spec.dtype),
-            deepstack=[_host(d, spec.dtype) for d in out.deepstack] if spec.deepstack else [],
+            embeds=embeds if embeds is not None else _host(out.embeds, spec.dtype),
+            deepstack=deepstack if deepstack is not None else
+            [_host(d, spec.dtype) for d in out.deepstack] if spec.deepstack else [],
             joined=_host(joined, spec.dtype) if spec.joined else None,
             ec_cache=_host(joined, joined.dtype) if w.want_ec else None,
             preprocess_s=w.preprocess_s,
@@ -745,6 +766,13 @@ def _bind_device(device: torch.device) -> None:
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).contiguous().cpu()
+
+
+def _host_rows(parts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Several [rows, D] device tensors on the host in one copy; returns views of it, one per part."""
+    if len(parts) == 1:
+        return [_host(parts[0], dtype)]
+    return list(_host(torch.cat(parts), dtype).split([p.shape[0] for p in parts]))
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -148,6 +148,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(settings: ServeSettings) -> int:
     if settings.model_defaulted:
         log.warning("no --model given: serving the embedded %s preset (random weights, for trying the API)",
@@ -160,6 +163,10 @@ def serve(settings: ServeSettings) -> int:
                             access_log=settings.log_level in ("debug", "trace"))
     server = DrainingServer(config, app.state.service, settings.request_timeout_s)
     engine.on_fatal = server.fatal
+    # The engine thread and the event loop give the GIL up at every device call and must win it back
+    # from the preprocessing threads; at the default 5 ms switch interval each such handover can
+    # cost up to 5 ms, many times per batch.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     log.info("settings: %s", settings.public_dict())
     server.run()
     return server.exit_code

@@ -330,3 +330,35 @@ def test_cuda_without_an_index_is_resolved_to_the_current_device(monkeypatch) ->
     engine._bind_device(torch.device("cuda"))
     engine._bind_device(torch.device("cuda", 1))
     assert calls == [3, torch.device("cuda", 1)]
+
+
+def test_requests_with_different_outputs_share_a_batch_and_get_their_own(tower3):
+    """One batch, two requests: one wants bf16 without DeepStack, the other float32 with it. Each item's
+    host tensors are its own rows, in its own dtype (the batch crosses to the host once per output)."""
+    engine, runner = make_engine(tower3, max_wait_ms=5000)
+    rec = Recorder(runner)
+    same_size = [MediaItem(i, "image", image_bytes(*SIZES[0], seed=10 + i)) for i in range(3)]
+    a_items, b_items = same_size[:2], [MediaItem(0, "image", same_size[2].data)]
+
+    async def go():
+        return await asyncio.gather(
+            engine.encode(a_items, OutputSpec(dtype=torch.bfloat16)),
+            engine.encode(b_items, OutputSpec(dtype=torch.float32, deepstack=True)),
+        )
+
+    try:
+        a, b = asyncio.run(go())
+    finally:
+        engine.stop()
+    assert [len(x) for x in rec.batches] == [3]
+    for item, res in zip(a_items, a):
+        ref = reference(runner, item)
+        assert res.embeds.dtype == torch.bfloat16 and res.deepstack == []
+        assert torch.allclose(res.embeds.float(), ref, rtol=1e-2, atol=1e-2)
+    for item, res in zip(b_items, b):
+        visual = preprocess_image_bytes(item.data, runner.tower.processor)
+        ref = runner.encode([visual])[0]
+        assert res.embeds.dtype == torch.float32 and len(res.deepstack) == len(ref.deepstack) >= 2
+        assert torch.allclose(res.embeds, ref.embeds, atol=1e-5)
+        for got, want in zip(res.deepstack, ref.deepstack):
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
