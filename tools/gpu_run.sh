@@ -30,7 +30,7 @@ if [ -n "${CHUNKING:-}" ]; then
 bench_chunking(sys.argv[1], Path('$OUT/chunking.jsonl'))" "$CHUNKING" 2>&1 | grep -v RANDOM | tail -4
 fi
 if [ -n "${HTTP:-}" ]; then
-  timeout 420 python3 -m service.cli bench --http --model "$HTTP" --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" \
-    --requests-per-level "${HTTP_REQUESTS:-512}" --level-time-s "${HTTP_LEVEL_S:-15}" --out "$OUT/http_bench.json" 2>&1 \
-    | tail -40 | tee "$OUT/http.log"
+  timeout "${HTTP_TIMEOUT:-420}" python3 -m service.cli bench --http --model "$HTTP" \
+    --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" --requests-per-level "${HTTP_REQUESTS:-512}" \
+    --level-time-s "${HTTP_LEVEL_S:-15}" --out "$OUT/http_bench.json" 2>&1 | grep -v RANDOM | tee "$OUT/http.log"
 fi
