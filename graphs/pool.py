@@ -74,6 +74,10 @@ class GraphPool:
                     torch.cuda.synchronize(self.device)
         if is_cuda:
             torch.cuda.synchronize(self.device)
+            # The warm-up runs' activations sit cached in the ordinary allocator (gigabytes for the
+            # largest budget); hand them back so that what stays taken is the graphs' own pool and
+            # the shared buffers, which is what pool_bytes reports.
+            torch.cuda.empty_cache()
             self.stats.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         self.stats.captured = len(self.graphs)
         self.stats.capture_seconds = time.perf_counter() - start
