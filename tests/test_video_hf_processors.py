@@ -34,22 +34,13 @@ from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize 
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor  # noqa: E402
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_qwen3_smart_resize  # noqa: E402
 
-from models.config import ProcessorConfig, VideoConfig, VisualInput  # noqa: E402
+from models.config import ProcessorConfig, VisualInput  # noqa: E402
 from models.layers import Normalize  # noqa: E402
 from service.video_preprocess import preprocess_video_bytes  # noqa: E402
-from tests.videos import decode_all, make_video  # noqa: E402
+from tests.videos import QWEN2, QWEN3, QWEN25, decode_all, make_video  # noqa: E402
 
 av.logging.set_level(av.logging.ERROR)
 
-QWEN2 = ProcessorConfig(family="qwen2_vl")
-QWEN25 = ProcessorConfig(family="qwen2_5_vl")
-QWEN3 = ProcessorConfig(
-    family="qwen3_vl",
-    patch_size=16,
-    image_mean=(0.5, 0.5, 0.5),
-    image_std=(0.5, 0.5, 0.5),
-    video=VideoConfig(min_pixels=4096, max_pixels=4194304),
-)
 CONFIGS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3}
 
 # Resize bounds, in 0..255 levels. docs/video.md measured PIL against torch's float antialiased bicubic

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from models.config import ProcessorConfig, VideoConfig
+from models.config import ProcessorConfig
 from service.media.errors import MediaError
 from service.preprocess import smart_resize
 from service.video_preprocess import (
@@ -35,7 +35,7 @@ from service.video_preprocess import (
     qwen3_smart_resize,
     torch_linspace_round,
 )
-from tests.videos import decode_all, make_video, read_index
+from tests.videos import QWEN2, QWEN3, QWEN25, decode_all, make_video, read_index
 
 av.logging.set_level(av.logging.ERROR)
 
@@ -50,15 +50,6 @@ except ImportError:  # pragma: no cover - depends on the installed transformers
 
 needs_hf_qwen3 = pytest.mark.skipif(not HAVE_HF_QWEN3, reason="transformers Qwen3-VL video processor missing")
 
-QWEN2 = ProcessorConfig(family="qwen2_vl")
-QWEN25 = ProcessorConfig(family="qwen2_5_vl")
-QWEN3 = ProcessorConfig(
-    family="qwen3_vl",
-    patch_size=16,
-    image_mean=(0.5, 0.5, 0.5),
-    image_std=(0.5, 0.5, 0.5),
-    video=VideoConfig(min_pixels=4096, max_pixels=4194304),
-)
 
 
 # -- reference transcriptions ---------------------------------------------------------------------

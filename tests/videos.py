@@ -16,6 +16,19 @@ from fractions import Fraction
 import av
 import numpy as np
 
+from models.config import ProcessorConfig, VideoConfig
+
+# The video processor configs the video tests run against (Qwen3-VL's as released).
+QWEN2 = ProcessorConfig(family="qwen2_vl")
+QWEN25 = ProcessorConfig(family="qwen2_5_vl")
+QWEN3 = ProcessorConfig(
+    family="qwen3_vl",
+    patch_size=16,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+    video=VideoConfig(min_pixels=4096, max_pixels=4194304),
+)
+
 GRID_COLS, GRID_ROWS = 4, 3  # 12 bits: indices up to 4095
 CONTAINER_EXT = {"mp4": "mp4", "mov": "mov", "matroska": "mkv", "webm": "webm", "avi": "avi"}
 
