@@ -322,15 +322,22 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")) and not sample.labels:
+            if not sample.labels:
                 samples[sample.name] = sample.value
-    return {stage: (samples.get(name + "_sum", 0.0), samples.get(name + "_count", 0.0))
-            for stage, name in STAGES.items()}
+    totals = {stage: (samples.get(name + "_sum", 0.0), samples.get(name + "_count", 0.0))
+              for stage, name in STAGES.items()}
+    if "process_cpu_seconds_total" in samples:  # with the time it was read: CPU seconds per second
+        totals["cpu"] = (samples["process_cpu_seconds_total"], time.monotonic())
+    return totals
 
 
 def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Mean of each stage over the level (ms; items for items_per_batch)."""
+    """Mean of each stage over the level (ms; items for items_per_batch), and the server process's CPU
+    use over it in cores (`cpu_cores`: near 1 with idle cores left means one thread, or the GIL, is the
+    limit)."""
     out = {}
+    if "cpu" in before and "cpu" in after and after["cpu"][1] > before["cpu"][1]:
+        out["cpu_cores"] = round((after["cpu"][0] - before["cpu"][0]) / (after["cpu"][1] - before["cpu"][1]), 2)
     for stage in STAGES:
         if stage not in before or stage not in after:
             continue

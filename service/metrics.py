@@ -6,7 +6,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -92,6 +100,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_cpu_seconds_total, resident memory, open fds (Linux /proc; absent elsewhere): whether
+        # the server is bound by its own CPU, e.g. one core's worth under the GIL.
+        ProcessCollector(registry=r)
         self.requests = Counter("vitserve_requests", "Requests to /encode by HTTP status", ["status"], registry=r)
         self.request_seconds = Histogram("vitserve_request_duration_seconds", "Total /encode latency",
                                          buckets=LATENCY_BUCKETS, registry=r)
