@@ -31,9 +31,11 @@ def padded_cumsum(lengths: np.ndarray, slots: int) -> np.ndarray:
 
 
 # Per-frame metadata depends on the frame's shape alone, and traffic repeats shapes (a batch of
-# same-sized images, every frame of a video): the builders below cache by shape and return
-# read-only arrays, so a batch costs one lookup per item rather than one rebuild.
-GRID_CACHE_SIZE = 4096
+# same-sized images, every frame of a video): the builders below cache by frame shape (never by
+# frame count, so a long video costs no more cache than one frame) and return read-only arrays, so
+# a batch costs one lookup per item rather than one rebuild. The bound keeps the worst case (every
+# request a new shape of the largest size) near 100 MB.
+GRID_CACHE_SIZE = 128
 
 
 def frozen(a: np.ndarray) -> np.ndarray:

@@ -63,14 +63,14 @@ class GatedMlp(nn.Module):
 
 
 @lru_cache(maxsize=GRID_CACHE_SIZE)
-def window_layout(t: int, h: int, w: int, merge: int, ws: int) -> tuple[np.ndarray, np.ndarray]:
-    """One grid's merge-group order putting each window of ws x ws groups together (from 0), and the
-    window lengths in patches (read-only)."""
+def window_layout(h: int, w: int, merge: int, ws: int) -> tuple[np.ndarray, np.ndarray]:
+    """One frame's merge-group order putting each window of ws x ws groups together (from 0), and the
+    window lengths in patches (read-only). Windows never cross frames."""
     gh, gw = h // merge, w // merge
     nh, nw = -(-gh // ws), -(-gw // ws)
-    grid = np.full((t, nh * ws, nw * ws), -1, dtype=np.int64)
-    grid[:, :gh, :gw] = np.arange(t * gh * gw).reshape(t, gh, gw)
-    tiles = grid.reshape(t, nh, ws, nw, ws).transpose(0, 1, 3, 2, 4).reshape(t * nh * nw, ws * ws)
+    grid = np.full((nh * ws, nw * ws), -1, dtype=np.int64)
+    grid[:gh, :gw] = np.arange(gh * gw).reshape(gh, gw)
+    tiles = grid.reshape(nh, ws, nw, ws).transpose(0, 2, 1, 3).reshape(nh * nw, ws * ws)
     counts = (tiles >= 0).sum(1)
     flat = tiles.reshape(-1)
     return frozen(flat[flat >= 0]), frozen(counts[counts > 0] * merge * merge)
@@ -110,10 +110,11 @@ class Qwen2_5VisionTower(QwenTower):
         """Merge-group permutation putting each window together, and the window lengths in patches."""
         order, lengths, offset = [], [], 0
         for t, h, w in grids:
-            grid_order, grid_lengths = window_layout(t, h, w, self.merge, self.window)
-            order.append(grid_order + offset)
-            lengths.append(grid_lengths)
-            offset += len(grid_order)
+            frame_order, frame_lengths = window_layout(h, w, self.merge, self.window)
+            groups = len(frame_order)  # merge groups per frame; frames follow one another
+            order.append((frame_order + offset + groups * np.arange(t)[:, None]).reshape(-1))
+            lengths.append(np.tile(frame_lengths, t))
+            offset += t * groups
         if not order:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(order), np.concatenate(lengths)
