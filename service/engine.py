@@ -452,7 +452,6 @@ class Engine:
         loop = asyncio.get_running_loop()
         with self._cond:
             self._preparing += 1  # the engine may hold a batch open for this request (see _take)
-        enqueued = False
         try:
             prepared = await self._preprocess_all(items, loop)
             merge_unit = model.merge_unit
@@ -466,26 +465,25 @@ class Engine:
                 _Work(it, v, n, spec, spec.ec_cache and it.id is not None, loop.create_future(), loop, dt)
                 for it, (v, dt), n in zip(items, prepared, tokens)
             ]
+        except BaseException:
             with self._cond:
                 self._preparing -= 1
-                enqueued = True
-                self._check_admitted()
-                if self._queued_tokens + total > limit:
-                    raise Overloaded(f"the queue holds {self._queued_tokens} tokens; {total} more would pass "
-                                     f"the limit of {limit}")
-                now = time.monotonic()
-                for w in works:
-                    w.enqueued = now
-                    self._queues[w.visual.modality].append(w)
-                self._queued_items += len(works)
-                self._queued_tokens += total
-                self._publish_queue()
-                self._cond.notify()
-        finally:
-            if not enqueued:
-                with self._cond:
-                    self._preparing -= 1
-                    self._cond.notify()
+                self._cond.notify()  # a batch held open for this request need not wait for it
+            raise
+        with self._cond:
+            self._preparing -= 1  # with the enqueue, atomically: no batch leaves between the two
+            self._check_admitted()
+            if self._queued_tokens + total > limit:
+                raise Overloaded(f"the queue holds {self._queued_tokens} tokens; {total} more would pass "
+                                 f"the limit of {limit}")
+            now = time.monotonic()
+            for w in works:
+                w.enqueued = now
+                self._queues[w.visual.modality].append(w)
+            self._queued_items += len(works)
+            self._queued_tokens += total
+            self._publish_queue()
+            self._cond.notify()
         try:
             return list(await asyncio.gather(*(w.future for w in works)))
         except BaseException:
@@ -660,12 +658,13 @@ class Engine:
             for level in range(len(outs[0].deepstack) if ds_idx else 0):
                 for i, host in zip(ds_idx, _host_rows([outs[i].deepstack[level] for i in ds_idx], dtype)):
                     deepstack[i].append(host)
-        return [self._to_host(w, out, taken, e, d) for w, out, e, d in zip(members, outs, embeds, deepstack)]
+        return [self._to_host(w, out, taken, e, d)  # type: ignore[arg-type]
+                for w, out, e, d in zip(members, outs, embeds, deepstack)]
 
-    def _to_host(self, w: _Work, out: ItemOutput, taken: float, embeds: torch.Tensor | None = None,
-                 deepstack: list[torch.Tensor] | None = None) -> ItemResult:
-        """Requested dtype and layout, copied to the host here so the event loop never syncs
-        (`embeds` and `deepstack`: already on the host, from _to_host_batch)."""
+    def _to_host(self, w: _Work, out: ItemOutput, taken: float, embeds: torch.Tensor,
+                 deepstack: list[torch.Tensor]) -> ItemResult:
+        """Requested dtype and layout on the host, so the event loop never syncs (`embeds` and
+        `deepstack` are there already, from _to_host_batch)."""
         spec = w.spec
         parts = [out.embeds, *out.deepstack]
         # Only the vLLM format and the encoder cache want DeepStack beside the embedding: concatenate lazily.
@@ -679,9 +678,8 @@ class Engine:
             num_patches=v.num_patches,
             num_tokens=w.tokens,
             meta=dict(v.meta),
-            embeds=embeds if embeds is not None else _host(out.embeds, spec.dtype),
-            deepstack=deepstack if deepstack is not None else
-            [_host(d, spec.dtype) for d in out.deepstack] if spec.deepstack else [],
+            embeds=embeds,
+            deepstack=deepstack,
             joined=_host(joined, spec.dtype) if spec.joined else None,
             ec_cache=_host(joined, joined.dtype) if w.want_ec else None,
             preprocess_s=w.preprocess_s,
