@@ -176,8 +176,7 @@ def linear_act(x: torch.Tensor, linear: nn.Linear, act: str) -> torch.Tensor:
     """act(linear(x)); tanh-GELU runs in cuBLASLt's epilogue, where it costs no extra pass."""
     if act == "gelu_pytorch_tanh" and linear.bias is not None and x.dim() == 2 and _use("gelu_epilogue", x):
         return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
-    h = linear(x)
-    return activate(h, act) if act == "quick_gelu" else act_torch(h, act)
+    return activate(linear(x), act)
 
 
 # ---- residual add + norm ---------------------------------------------------------------------------
