@@ -3,6 +3,7 @@
 #   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  PROFILE="model@workload ..."  CHUNKING=model
 #   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
 #   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried)
+#   HTTP_PYSPY=1: profile that run, server and client, with py-spy (carry its wheel: device-wheels.sh py-spy)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -30,7 +31,12 @@ if [ -n "${CHUNKING:-}" ]; then
 bench_chunking(sys.argv[1], Path('$OUT/chunking.jsonl'))" "$CHUNKING" 2>&1 | grep -v RANDOM | tail -4
 fi
 if [ -n "${HTTP:-}" ]; then
-  timeout "${HTTP_TIMEOUT:-420}" python3 -m service.cli bench --http --model "$HTTP" \
+  profiler=()
+  if [ "${HTTP_PYSPY:-0}" = 1 ]; then  # wheels installed with --target put the binary in site/bin
+    pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+    profiler=("$pyspy" record --subprocesses --idle --rate 100 --format speedscope -o "$OUT/http_pyspy.json" --)
+  fi
+  timeout "${HTTP_TIMEOUT:-420}" "${profiler[@]}" python3 -m service.cli bench --http --model "$HTTP" \
     --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" --requests-per-level "${HTTP_REQUESTS:-512}" \
     --level-time-s "${HTTP_LEVEL_S:-15}" --out "$OUT/http_bench.json" 2>&1 | grep -v RANDOM | tee "$OUT/http.log"
 fi
