@@ -157,6 +157,21 @@ class SubprocessServer:
             self.proc.communicate(timeout=30)
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """Base of the fake peers: `reply` sends a whole body with its length; nothing is logged."""
+
+    def reply(self, status: int, body: bytes, content_type: str | None = None) -> None:
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 @contextmanager
 def loopback_http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
     """A plain HTTP server on 127.0.0.1 and a free port, in a thread, for fake peers (vLLM, media hosts)."""

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import time
-from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from service import http_bench
 from service.cli import main
-from tests.http_helpers import free_port, loopback_http_server, server_url
+from tests.http_helpers import QuietHandler, free_port, loopback_http_server, server_url
 
 LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
                 "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms"}
@@ -68,7 +67,7 @@ def test_http_bench_on_cpu(tmp_path):
                                                            abs=1e-3)
 
 
-class FakeEncode(BaseHTTPRequestHandler):
+class FakeEncode(QuietHandler):
     """/encode that answers 500 for bodies saying "bad" and takes 20 ms for bodies saying "slow"."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn
@@ -77,14 +76,7 @@ class FakeEncode(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         if b"slow" in body:
             time.sleep(0.02)
-        status, data = (500, b"{}") if b"bad" in body else (200, b'{"data": []}')
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.reply(*((500, b"{}") if b"bad" in body else (200, b'{"data": []}')))
 
 
 @pytest.fixture(scope="module")

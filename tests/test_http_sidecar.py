@@ -6,14 +6,21 @@ from __future__ import annotations
 import base64
 import io
 import time
-from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from service.ec_storage import FILE_NAME, TENSOR_KEY
-from tests.http_helpers import ServerThread, b64, image_bytes, loopback_http_server, server_url, settings
+from tests.http_helpers import (
+    QuietHandler,
+    ServerThread,
+    b64,
+    image_bytes,
+    loopback_http_server,
+    server_url,
+    settings,
+)
 from tests.videos import make_video
 
 IMAGE = image_bytes(160, 120, seed=11)
@@ -21,14 +28,14 @@ VIDEO = make_video(6, fps=3, width=64, height=48)
 LIMIT = 256 * 1024
 
 
-class MediaHandler(BaseHTTPRequestHandler):
+class MediaHandler(QuietHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path == "/img.png":
-            self._send(200, IMAGE)
+            self.reply(200, IMAGE)
         elif self.path == "/clip.mp4":
-            self._send(200, VIDEO)
+            self.reply(200, VIDEO)
         elif self.path == "/big":
-            self._send(200, b"\x89PNG\r\n\x1a\n" + b"\x00" * (LIMIT + 10))
+            self.reply(200, b"\x89PNG\r\n\x1a\n" + b"\x00" * (LIMIT + 10))
         elif self.path == "/big-chunked":  # no Content-Length: the cap applies while reading
             self.send_response(200)
             self.send_header("Transfer-Encoding", "chunked")
@@ -44,18 +51,10 @@ class MediaHandler(BaseHTTPRequestHandler):
             self.end_headers()
         elif self.path == "/slow":
             time.sleep(2.5)
-            self._send(200, IMAGE)
+            self.reply(200, IMAGE)
         else:
-            self._send(404, b"missing")
+            self.reply(404, b"missing")
 
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

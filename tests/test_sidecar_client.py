@@ -7,7 +7,7 @@ import base64
 import json
 import subprocess
 import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -16,7 +16,15 @@ from safetensors import safe_open
 
 from service import sidecar
 from service.ec_storage import FILE_NAME, TENSOR_KEY
-from tests.http_helpers import ROOT, ServerThread, image_bytes, loopback_http_server, server_url, settings
+from tests.http_helpers import (
+    ROOT,
+    QuietHandler,
+    ServerThread,
+    image_bytes,
+    loopback_http_server,
+    server_url,
+    settings,
+)
 
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 ANSWER = {"id": "chatcmpl-test", "object": "chat.completion",
@@ -25,21 +33,13 @@ ANSWER = {"id": "chatcmpl-test", "object": "chat.completion",
 DIMS = {"tiny-qwen2-vl": (96, 0), "tiny-qwen3-vl": (80, 2)}
 
 
-class FakeVLLM(BaseHTTPRequestHandler):
+class FakeVLLM(QuietHandler):
     """Records every POST (path, headers, JSON body) and answers like vLLM's chat endpoint."""
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append((self.path, dict(self.headers), body))  # type: ignore[attr-defined]
-        data = json.dumps(ANSWER).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.reply(200, json.dumps(ANSWER).encode(), "application/json")
 
 
 @pytest.fixture(scope="module")
