@@ -65,11 +65,16 @@ item_strategy = st.builds(
 )
 
 
+def replay_cost(batches, overhead):
+    return sum(b.key.budget + overhead for b in batches if b.key is not None)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(item_strategy, max_size=60), st.sampled_from([256, 1000, 4096]), st.integers(1, 64))
-def test_packing_properties(items, max_tokens, max_items):
+@given(st.lists(item_strategy, max_size=60), st.sampled_from([256, 1000, 4096]), st.integers(1, 64),
+       st.sampled_from([None, 0.0, 48.0, 1000.0]))
+def test_packing_properties(items, max_tokens, max_items, overhead):
     plan = BudgetPlan.create(max_batch_tokens=max_tokens, max_items=min(max_items, 64))
-    batches = pack(items, plan)
+    batches = pack(items, plan, overhead)
     seen = sorted(i for b in batches for i in b.items)
     assert seen == list(range(len(items)))  # every item exactly once
     for b in batches:
@@ -87,7 +92,24 @@ def test_packing_properties(items, max_tokens, max_items):
         smaller = [x for x in plan.budgets if x < b.key.budget and b.key.length_class in plan.length_classes(x)]
         assert all(x < b.tokens or plan.capacity(GraphKey(b.key.modality, x, b.key.length_class)).segments
                    < b.segments for x in smaller)  # the smallest budget that holds it
-    assert [(b.key, b.items) for b in pack(items, plan)] == [(b.key, b.items) for b in batches]
+    assert [(b.key, b.items) for b in pack(items, plan, overhead)] == [(b.key, b.items) for b in batches]
+    if overhead is not None:  # splitting never costs more than the padded batches it replaces
+        assert replay_cost(batches, overhead) <= replay_cost(pack(items, plan), overhead)
+
+
+@pytest.mark.parametrize("count, overhead, budgets", [
+    (9, None, [4096]),  # no measured overhead: one padded replay, as before calibration
+    (9, 300.0, [2048, 256]),  # 2348 tokens of cost against 4396
+    (7, 300.0, [2048]),  # 1024 + 1024 (or 512 + 256) plus overheads cost more than 2048 + 300
+    (7, 0.0, [1024, 512, 256]),  # free replays: no padding at all
+    (28, 100.0, [4096, 2048, 1024]),
+])
+def test_a_batch_just_over_a_budget_is_split_when_that_costs_less(count, overhead, budgets):
+    plan = BudgetPlan.create(max_batch_tokens=16384)
+    items = [PackItem(256, "image", 1, 1024)] * count
+    batches = pack(items, plan, overhead)
+    assert [b.key.budget for b in batches] == budgets
+    assert sorted(i for b in batches for i in b.items) == list(range(count))
 
 
 def test_oversize_and_long_videos_run_alone_and_eagerly():
@@ -126,6 +148,19 @@ def test_results_come_back_in_caller_order_and_match_eager(runner):
             for a, b in zip(out.deepstack, ref.deepstack):
                 assert rel_err(a, b) < 1e-5
     assert runner.stats.graph_items > 0
+
+
+def test_split_batches_match_eager(runner):
+    items = make_items(runner.tower, [(1, 8, 8)] * 8 + [(1, 4, 8), (1, 12, 8)], seed=3)  # 136 + 24 tokens
+    runner.replay_overhead_tokens = 0.0
+    try:
+        batches = runner.pack_items(items)
+        outs = runner.encode(items)
+    finally:
+        runner.replay_overhead_tokens = None
+    assert len(batches) > len(runner.pack_items(items))  # the overhead made the packing split
+    for item, out in zip(items, outs):
+        assert rel_err(out.embeds, solo(runner, item).embeds) < 1e-5
 
 
 def test_equal_tokens_different_boundaries_share_a_graph_and_stay_right(runner):
