@@ -51,7 +51,8 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
 
 class GraphRunner:
     def __init__(self, tower: VisionTower, device: torch.device, plan: BudgetPlan, use_graphs: bool = True,
-                 modalities: tuple[str, ...] = ("image", "video"), video_chunking: bool = False) -> None:
+                 modalities: tuple[str, ...] = ("image", "video"), video_chunking: bool = False,
+                 eager_when_cheaper: bool = True) -> None:
         self.tower = tower
         self.device = device
         self.plan = plan
@@ -65,6 +66,12 @@ class GraphRunner:
         # Eager runs below this many patches are bound by kernel launches, not the GPU; set by calibrate().
         # Until then (and on the CPU, where nothing is saved by a graph) every batch that fits replays.
         self.launch_bound_patches = float("inf")
+        # Off in the server: there the engine thread shares the GIL with request handling, and an
+        # eager forward's thousand-odd launches wait on it (3x slower under load on an H200), while a
+        # replay is one call. Measured once at start-up, eager looks cheaper than it will be.
+        self.eager_when_cheaper = eager_when_cheaper
+        # The fixed cost of one replay in tokens of GPU time (calibrate()); None: never split a batch.
+        self.replay_overhead_tokens: float | None = None
 
     def capture(self) -> None:
         if self.use_graphs:
@@ -73,11 +80,13 @@ class GraphRunner:
                 self.calibrate()
 
     def calibrate(self) -> None:
-        """Measure when padding costs more than launches. A replay costs its whole budget's GPU
-        time; an eager run costs the larger of its own patches' GPU time and the time to launch its
-        kernels (a constant: a small eager forward measures it). In patches: replay costs the
-        budget, eager costs max(patches, launch_bound_patches). Batches where eager is cheaper run
-        eagerly (reason "padding"); everything else replays."""
+        """Measure what a replay costs beyond its budget's GPU time, and when padding costs more than
+        launches. A replay costs its whole budget's GPU time plus a fixed overhead (host work,
+        copies, a small batch's idle GPU), which the packing weighs when it splits a batch across
+        budgets. An eager run costs the larger of its own patches' GPU time and the time to launch
+        its kernels (a constant: a small eager forward measures it). In patches: replay costs the
+        budget, eager costs max(patches, launch_bound_patches). With `eager_when_cheaper`, batches
+        where eager is cheaper run eagerly (reason "padding"); everything else replays."""
         merge = self.tower.merge
         side = 16 * merge  # a 32x32-patch frame, a typical mid-sized image
         pixels = np.random.default_rng(0).integers(0, 256, (side * side, self.tower.processor.patch_dim), np.uint8)
@@ -85,26 +94,35 @@ class GraphRunner:
         count = max(1, min(self.plan.max_items, self.plan.max_budget // frame.num_tokens(merge)))
         small, big = [frame], [frame] * count
 
-        def timed(fn) -> float:
+        def timed(fn, reps: int = 5) -> float:
+            """The fastest of `reps` synchronised runs: the least disturbed by the host."""
             fn()
-            torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            for _ in range(3):
+            best = float("inf")
+            for _ in range(reps):
+                torch.cuda.synchronize(self.device)
+                start = time.perf_counter()
                 fn()
-            torch.cuda.synchronize(self.device)
-            return (time.perf_counter() - start) / 3
+                torch.cuda.synchronize(self.device)
+                best = min(best, time.perf_counter() - start)
+            return best
 
         stats = self.stats.as_dict()
         graph_small = timed(lambda: self._run(small, force_eager=False))
         eager_small = timed(lambda: self._run(small, force_eager=True))
         big_batches = self.pack_items(big)
-        graph_big = timed(lambda: self._run(big, force_eager=False))
+        graph_big = timed(lambda: self._run(big, force_eager=False), reps=3)
         budget_patches = sum(b.key.budget for b in big_batches if b.key) * self.plan.merge_unit
         per_patch = graph_big / max(budget_patches, 1)
         self.launch_bound_patches = eager_small / per_patch if per_patch > 0 else float("inf")
+        small_key = self.pack_items(small)[0].key
+        if per_patch > 0 and small_key is not None:
+            per_token = per_patch * self.plan.merge_unit
+            self.replay_overhead_tokens = max(0.0, graph_small / per_token - small_key.budget)
         self.stats.reset_to(stats)  # calibration runs are not traffic
         log.info("calibration: small batch %.2f ms eager, %.2f ms replayed; %.3f us per patch: eager is launch-bound "
-                 "below %d patches", eager_small * 1e3, graph_small * 1e3, per_patch * 1e6, self.launch_bound_patches)
+                 "below %d patches%s; a replay's fixed cost is %s tokens", eager_small * 1e3, graph_small * 1e3,
+                 per_patch * 1e6, self.launch_bound_patches, "" if self.eager_when_cheaper else " (not used)",
+                 "unknown" if self.replay_overhead_tokens is None else f"{self.replay_overhead_tokens:.0f}")
 
     def _run(self, items: Sequence[VisualInput], force_eager: bool) -> list[ItemOutput]:
         outs = []
@@ -115,7 +133,7 @@ class GraphRunner:
         return outs
 
     def pack_items(self, items: Sequence[VisualInput]) -> list[Batch]:
-        return pack([self.pack_item(it) for it in items], self.plan)
+        return pack([self.pack_item(it) for it in items], self.plan, self.replay_overhead_tokens)
 
     def pack_item(self, item: VisualInput) -> PackItem:
         return to_pack_item(item, self.plan)
@@ -125,7 +143,7 @@ class GraphRunner:
         if batch.reason in ("t_capture", "over_budget") and self.chunkable(items[0]):
             return [self.encode_chunked(items[0])]
         grids = [it.grid_thw for it in items]
-        pixels = concat_pixels([it.pixels for it in items])
+        pixels = concat_pixels([it.pixels for it in items], pin=self.device.type == "cuda")
         reason = batch.reason or self.eager_reason(batch, grids)
         if reason is None:
             try:
@@ -147,7 +165,8 @@ class GraphRunner:
         if graph is None:
             return "no_graph"
         patches = sum(t * h * w for t, h, w in grids)
-        if max(patches, self.launch_bound_patches) < 0.95 * graph.capacity.patches:  # 5%: prefer the graph on ties
+        eager_cost = max(patches, self.launch_bound_patches)
+        if self.eager_when_cheaper and eager_cost < 0.95 * graph.capacity.patches:  # 5%: the graph wins ties
             return "padding"
         return None
 
@@ -191,18 +210,23 @@ def to_pack_item(item: VisualInput, plan: BudgetPlan) -> PackItem:
     return PackItem(item.num_patches // plan.merge_unit, item.modality, t, h * w)
 
 
-def pack_inputs(items: Sequence[VisualInput], plan: BudgetPlan) -> list[Batch]:
+def pack_inputs(items: Sequence[VisualInput], plan: BudgetPlan, replay_overhead: float | None = None) -> list[Batch]:
     """What `GraphRunner.pack_items` does, from the plan alone (a multi-engine server packs in its front)."""
-    return pack([to_pack_item(it, plan) for it in items], plan)
+    return pack([to_pack_item(it, plan) for it in items], plan, replay_overhead)
 
 
-def concat_pixels(parts: list) -> np.ndarray | torch.Tensor:
-    """Items' pixel rows back to back; host arrays stay on the host, device tensors on the device."""
-    if len(parts) == 1:
-        return parts[0]
+def concat_pixels(parts: list, pin: bool = False) -> np.ndarray | torch.Tensor:
+    """Items' pixel rows back to back; device tensors stay on the device. Host arrays stay on the
+    host, written straight into page-locked memory with `pin` (one copy, and the upload that follows
+    is asynchronous; torch's host allocator keeps the block until that copy has run)."""
     if isinstance(parts[0], torch.Tensor):
-        return torch.cat(parts)
-    return np.concatenate(parts)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if not pin:
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    rows = sum(len(p) for p in parts)
+    staged = torch.empty((rows, *parts[0].shape[1:]), dtype=torch.from_numpy(parts[0][:0]).dtype, pin_memory=True)
+    np.concatenate(parts, out=staged.numpy())
+    return staged
 
 
 def split(out: TowerOutput, tokens: list[int]) -> list[ItemOutput]:

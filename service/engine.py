@@ -165,6 +165,7 @@ class ModelInfo:
     plan: BudgetPlan
     captured: tuple[str, ...]
     capture_failures: dict[str, str]
+    replay_overhead_tokens: float | None = None  # measured at start-up; the packing weighs it
 
     @property
     def merge_unit(self) -> int:
@@ -183,6 +184,7 @@ class ModelInfo:
             plan=runner.plan,
             captured=tuple(sorted(str(k) for k in runner.pool.graphs)),
             capture_failures={str(k): v for k, v in runner.pool.failed.items()},
+            replay_overhead_tokens=runner.replay_overhead_tokens,
         )
 
 
@@ -262,7 +264,8 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     _bind_device(device)
     tower = load_tower(s.model, device=s.device, dtype=s.dtype)
     plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
-    runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
+    runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking,
+                         eager_when_cheaper=False)
     log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
              time.perf_counter() - t0, "no" if s.eager else len(plan.keys(runner.modalities)))
     runner.capture()
@@ -658,6 +661,9 @@ class Engine:
             for level in range(len(outs[0].deepstack) if ds_idx else 0):
                 for i, host in zip(ds_idx, _host_rows([outs[i].deepstack[level] for i in ds_idx], dtype)):
                     deepstack[i].append(host)
+        device = outs[0].embeds.device
+        if device.type == "cuda":  # the copies above are asynchronous: one wait for all of them
+            torch.cuda.current_stream(device).synchronize()
         return [self._to_host(w, out, taken, e, d)  # type: ignore[arg-type]
                 for w, out, e, d in zip(members, outs, embeds, deepstack)]
 
@@ -767,10 +773,15 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _host_rows(parts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Several [rows, D] device tensors on the host in one copy; returns views of it, one per part."""
-    if len(parts) == 1:
-        return [_host(parts[0], dtype)]
-    return list(_host(torch.cat(parts), dtype).split([p.shape[0] for p in parts]))
+    """Several [rows, D] tensors on the host in one copy; returns views of it, one per part. From a
+    GPU the copy goes into page-locked memory and is asynchronous: the caller waits on the stream."""
+    joined = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
+    if joined.device.type == "cuda":
+        host = torch.empty(joined.shape, dtype=dtype, pin_memory=True)
+        host.copy_(joined, non_blocking=True)
+    else:
+        host = joined.contiguous()
+    return list(host.split([p.shape[0] for p in parts]))
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -343,7 +343,7 @@ class ProcessPoolBackend:
         taken = time.monotonic()
         for w in live:
             metrics.queue_seconds.observe(taken - w.enqueued)
-        for batch in pack_inputs([w.visual for w in live], self.model.plan):
+        for batch in pack_inputs([w.visual for w in live], self.model.plan, self.model.replay_overhead_tokens):
             members = [live[i] for i in batch.items]
             if all(w.cancelled for w in members):
                 metrics.cancelled.inc(len(members))
