@@ -2,12 +2,15 @@
 
 Replay pattern, for every batch:
   1. build the batch's metadata on the CPU at the key's capacity (padding = empty segments);
-  2. copy pixels and every metadata array into the graph's static input buffers (pinned, async);
+  2. copy the pixels, then all metadata arrays at once, into the static input buffers (pinned, async);
   3. replay, then copy the item rows out of the static outputs before any other graph runs.
 All graphs share one memory pool, captured largest first, and one set of input buffers sized for
-the largest capacity (each graph reads a prefix view). Nothing a graph reads is reallocated after
-its capture. On the CPU there is no graph: "replay" re-runs the fixed-shape forward on the same
-static buffers, so the packing, refresh and padding logic is exercised everywhere.
+the largest capacity (each graph reads a prefix view). The metadata buffers are regions of one
+device allocation, laid out like one page-locked host staging buffer, so a replay uploads them in
+one copy: every torch call releases and retakes the GIL, which under a busy server costs up to a
+switch interval each. Nothing a graph reads is reallocated after its capture. On the CPU there is
+no graph: "replay" re-runs the fixed-shape forward on the same static buffers, so the packing,
+refresh and padding logic is exercised everywhere.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class GraphPool:
         self.graphs: dict[GraphKey, CapturedGraph] = {}
         self.failed: dict[GraphKey, str] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+        self._meta_offsets: dict[str, int] = {}  # byte offset of each metadata buffer in _meta_flat
+        self._meta_dtypes: dict[str, np.dtype] = {}
+        self._meta_flat: torch.Tensor | None = None
         self._outputs: TowerOutput | None = None
         self._mempool = None
         self.fail_capture_for: set[GraphKey] = set()  # fault injection for tests
@@ -97,8 +103,18 @@ class GraphPool:
             for name, arr in self._empty_inputs(cap).items():
                 if name not in longest or arr.shape[0] > longest[name].shape[0]:
                     longest[name] = arr
+        pixels = longest.pop("pixels")
+        self._buffers["pixels"] = torch.zeros(pixels.shape, dtype=torch.uint8, device=self.device)
+        size = 0
         for name, arr in longest.items():
-            self._buffers[name] = torch.zeros(arr.shape, dtype=torch.from_numpy(arr).dtype, device=self.device)
+            self._meta_offsets[name] = size
+            self._meta_dtypes[name] = arr.dtype
+            size += -(-arr.nbytes // META_ALIGN) * META_ALIGN
+        self._meta_flat = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        for name, arr in longest.items():
+            start = self._meta_offsets[name]
+            region = self._meta_flat[start:start + arr.nbytes]
+            self._buffers[name] = region.view(torch.from_numpy(arr).dtype).view(arr.shape)
 
     def _allocate_outputs(self, patches: int) -> None:
         """Every graph writes its result here, outside the graph memory pool, so no graph output
@@ -150,8 +166,7 @@ class GraphPool:
         cap = g.capacity
         meta = self.tower.build_metadata(grids, cap)
         _upload(g.inputs["pixels"][: len(pixels)], pixels)
-        for name, arr in meta.items():
-            _upload(g.inputs[name], arr)
+        self._upload_metadata(meta, g.inputs)
         tokens = len(pixels) // self.tower.merge_unit
         with torch.inference_mode():
             if g.graph is None:
@@ -163,6 +178,27 @@ class GraphPool:
             result = TowerOutput(out.embeds[:tokens].clone(), [d[:tokens].clone() for d in out.deepstack])
         self.stats.record_replay(str(key), len(grids))
         return result
+
+
+    def _upload_metadata(self, meta: dict[str, np.ndarray], views: dict[str, torch.Tensor]) -> None:
+        """Every metadata array into its static buffer: staged at its offset in one page-locked
+        buffer, then one copy up to the end of the last array (stale bytes past an array's end
+        belong to longer capacities' views, never read by this graph)."""
+        assert self._meta_flat is not None
+        end = max(self._meta_offsets[name] + arr.nbytes for name, arr in meta.items())
+        staging = torch.empty(end, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        host = staging.numpy()
+        for name, arr in meta.items():
+            view = views[name]  # the graph reads exactly this prefix: the array must fill it
+            if arr.shape != tuple(view.shape) or arr.dtype != self._meta_dtypes[name]:
+                raise ValueError(f"metadata {name}: {arr.dtype}{arr.shape} for a {view.dtype}{tuple(view.shape)} "
+                                 "buffer")
+            start = self._meta_offsets[name]
+            host[start:start + arr.nbytes] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        self._meta_flat[:end].copy_(staging, non_blocking=True)
+
+
+META_ALIGN = 256  # bytes: every metadata buffer starts aligned for any dtype
 
 
 def _upload(dst: torch.Tensor, arr: np.ndarray | torch.Tensor) -> None:
