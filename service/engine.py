@@ -643,7 +643,7 @@ class Engine:
                 res.gpu_s = gpu_s
                 self.metrics.items.labels(w.visual.modality).inc()
                 self.metrics.tokens.inc(w.tokens)
-                self._deliver(w, result=res)
+            self._deliver_all(members, results)
 
     def _to_host_batch(self, members: list[_Work], outs: list[ItemOutput], taken: float) -> list[ItemResult]:
         """Every item's result on the host. The rows of all items that want the same dtype cross in one
@@ -691,6 +691,18 @@ class Engine:
             preprocess_s=w.preprocess_s,
             queue_s=taken - w.enqueued,
         )
+
+    def _deliver_all(self, members: list[_Work], results: list[ItemResult]) -> None:
+        """A batch's results, one wake-up of each event loop for all of them: every wake-up is a
+        write to the loop's pipe, which releases and retakes the GIL on the engine thread."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, ItemResult]]] = {}
+        for w, res in zip(members, results):
+            by_loop.setdefault(w.loop, []).append((w.future, res))
+        for loop, settled in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle_all, settled)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
 
     def _deliver(self, w: _Work, result: ItemResult | None = None, exc: BaseException | None = None) -> None:
         try:
@@ -775,13 +787,20 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _host_rows(parts: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """Several [rows, D] tensors on the host in one copy; returns views of it, one per part. From a
     GPU the copy goes into page-locked memory and is asynchronous: the caller waits on the stream."""
-    joined = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
+    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if joined.dtype != dtype:
+        joined = joined.to(dtype)
     if joined.device.type == "cuda":
         host = torch.empty(joined.shape, dtype=dtype, pin_memory=True)
         host.copy_(joined, non_blocking=True)
     else:
         host = joined.contiguous()
     return list(host.split([p.shape[0] for p in parts]))
+
+
+def _settle_all(settled: list[tuple[asyncio.Future, Any]]) -> None:
+    for future, result in settled:
+        _settle(future, result, None)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

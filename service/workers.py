@@ -467,11 +467,11 @@ class ProcessPoolBackend:
         metrics.gpu_seconds.observe(gpu_s)
         metrics.batch_tokens.observe(pending.job.batch.tokens)
         metrics.batch_items.observe(len(pending.members))
-        for w, res in zip(pending.members, results):
+        for w in pending.members:
             metrics.items.labels(w.visual.modality).inc()
             metrics.tokens.inc(w.tokens)
-            if res is not None:
-                self.engine._deliver(w, result=res)
+        done = [(w, res) for w, res in zip(pending.members, results) if res is not None]
+        self.engine._deliver_all([w for w, _ in done], [res for _, res in done])
 
     def _result(self, w: _Work, item: JobItem, pending: _Pending, gpu_s: float) -> ItemResult:
         buf = pending.segment.buf
