@@ -3,7 +3,8 @@
 #   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  PROFILE="model@workload ..."  CHUNKING=model
 #   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
 #   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried)
-#   HTTP_PYSPY=1: profile that run, server and client, with py-spy (carry its wheel: device-wheels.sh py-spy)
+#   HTTP_PYSPY=1: profile that run, server and client, with py-spy (carry its wheel: device-wheels.sh py-spy);
+#   HTTP_PYSPY=gil: sample only the thread holding the GIL (where a GIL-bound server spends it)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -32,9 +33,11 @@ bench_chunking(sys.argv[1], Path('$OUT/chunking.jsonl'))" "$CHUNKING" 2>&1 | gre
 fi
 if [ -n "${HTTP:-}" ]; then
   profiler=()
-  if [ "${HTTP_PYSPY:-0}" = 1 ]; then  # wheels installed with --target put the binary in site/bin
+  if [ "${HTTP_PYSPY:-0}" != 0 ]; then  # wheels installed with --target put the binary in site/bin
     pyspy=$(command -v py-spy || echo /tmp/site/bin/py-spy)
-    profiler=("$pyspy" record --subprocesses --idle --rate 100 --format speedscope -o "$OUT/http_pyspy.json" --)
+    mode=(--idle)
+    [ "$HTTP_PYSPY" = gil ] && mode=(--gil)
+    profiler=("$pyspy" record --subprocesses "${mode[@]}" --rate 100 --format speedscope -o "$OUT/http_pyspy.json" --)
   fi
   timeout "${HTTP_TIMEOUT:-420}" "${profiler[@]}" python3 -m service.cli bench --http --model "$HTTP" \
     --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" --requests-per-level "${HTTP_REQUESTS:-512}" \
