@@ -10,8 +10,10 @@ import asyncio
 import binascii
 import hmac
 import http.client
+import inspect
 import json
 import logging
+import os
 import re
 import time
 import urllib.error
@@ -541,6 +543,17 @@ class Service:
         return done
 
 
+def telemetry_options() -> dict[str, Any]:
+    """FastAPI's OpenTelemetry hooks, off unless OpenTelemetry is configured through the environment
+    (an OTEL_* or FASTAPI_OTEL_* variable): unconfigured, they still look up the global providers
+    on every request, on the event loop that every request shares."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}  # a FastAPI without them
+    if any(k.startswith(("OTEL_", "FASTAPI_OTEL_")) for k in os.environ):
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
 def too_large(what: str, limit: int) -> ApiError:
     return ApiError(413, "payload_too_large", f"the body {what}: the limit is {limit} bytes (--max-payload-bytes)",
                     "payload_too_large")
@@ -590,7 +603,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
 
     app = FastAPI(title="vitserve", version=VERSION, lifespan=lifespan,
                   description="Vision encoder for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images and videos in, "
-                              "merged visual tokens out (see docs/api.md).")
+                              "merged visual tokens out (see docs/api.md).", **telemetry_options())
     app.state.service = service
 
     @app.exception_handler(StarletteHTTPException)

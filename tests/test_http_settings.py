@@ -134,3 +134,18 @@ def test_sniffing_multipart_files():
     assert sniff_modality(make_video(2, width=32, height=32, container="matroska")) == "video"
     assert sniff_modality(b"\x00\x00\x00\x18ftypheic" + b"\x00" * 16) == "image"  # HEIC: refused as an image
     assert sniff_modality(b"%PDF-1.7 ...") == "image"  # unknown: the image decoder names it in the error
+
+
+def test_fastapi_telemetry_is_off_unless_opentelemetry_is_configured(monkeypatch):
+    import inspect
+
+    from fastapi import FastAPI
+
+    from service.app import telemetry_options
+
+    for key in [k for k in os.environ if k.startswith(("OTEL_", "FASTAPI_OTEL_"))]:
+        monkeypatch.delenv(key)
+    supported = "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    assert telemetry_options() == ({"telemetry": {"tracing": False, "metrics": False, "logs": False}} if supported else {})
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
+    assert telemetry_options() == {}
