@@ -146,6 +146,7 @@ def test_fastapi_telemetry_is_off_unless_opentelemetry_is_configured(monkeypatch
     for key in [k for k in os.environ if k.startswith(("OTEL_", "FASTAPI_OTEL_"))]:
         monkeypatch.delenv(key)
     supported = "telemetry" in inspect.signature(FastAPI.__init__).parameters
-    assert telemetry_options() == ({"telemetry": {"tracing": False, "metrics": False, "logs": False}} if supported else {})
+    off = {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    assert telemetry_options() == (off if supported else {})
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     assert telemetry_options() == {}

@@ -11,7 +11,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/cuda_tests.log"
 if [ "${CUDA:-1}" = 1 ]; then
   # shellcheck disable=SC2086 # CUDA_TESTS may name several files
-  python3 -m pytest -q -m cuda -s ${CUDA_TESTS:-tests/test_cuda_graphs.py} 2>&1 | tee -a "$OUT/cuda_tests.log"
+  python3 -m pytest -q -m cuda -s ${CUDA_TESTS:-tests/test_cuda_graphs.py tests/test_cuda_http.py} 2>&1 | tee -a "$OUT/cuda_tests.log"
 fi
 if [ "${HF_VIDEO:-0}" = 1 ]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/test_video_hf_processors.py 2>&1 | tee "$OUT/video_hf.log"
