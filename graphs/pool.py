@@ -179,7 +179,6 @@ class GraphPool:
         self.stats.record_replay(str(key), len(grids))
         return result
 
-
     def _upload_metadata(self, meta: dict[str, np.ndarray], views: dict[str, torch.Tensor]) -> None:
         """Every metadata array into its static buffer: staged at its offset in one page-locked
         buffer, then one copy up to the end of the last array (stale bytes past an array's end

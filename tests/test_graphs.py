@@ -163,6 +163,28 @@ def test_split_batches_match_eager(runner):
         assert rel_err(out.embeds, solo(runner, item).embeds) < 1e-5
 
 
+def test_padding_rule_only_where_asked(runner):
+    items = make_items(runner.tower, [(1, 8, 8)] * 3)  # 48 tokens in a 64-token graph
+    batch = runner.pack_items(items)[0]
+    grids = [it.grid_thw for it in items]
+    saved = runner.launch_bound_patches, runner.eager_when_cheaper
+    try:
+        runner.launch_bound_patches = 0  # as if eager cost nothing beyond its own patches
+        runner.eager_when_cheaper = True
+        assert runner.eager_reason(batch, grids) == "padding"
+        runner.eager_when_cheaper = False  # the server's runner: every batch a graph holds replays
+        assert runner.eager_reason(batch, grids) is None
+    finally:
+        runner.launch_bound_patches, runner.eager_when_cheaper = saved
+
+
+def test_the_servers_runner_never_pads_eagerly():
+    from service.engine import build_runner
+    from tests.http_helpers import settings
+
+    assert build_runner(settings(max_batch_tokens=256)).eager_when_cheaper is False
+
+
 def test_equal_tokens_different_boundaries_share_a_graph_and_stay_right(runner):
     m = runner.tower.merge
     a = make_items(runner.tower, [(1, 4 * m, 4 * m), (1, 4 * m, 4 * m)], 1)
