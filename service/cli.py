@@ -18,9 +18,9 @@ log = logging.getLogger("vitserve")
 
 def load_media(path: Path, cfg):
     """A local file the user named -> VisualInput, routed by its first bytes like the server's uploads."""
+    from service.media.image_preprocess import preprocess_image_bytes
     from service.media.sniff import sniff_modality
-    from service.preprocess import preprocess_image_bytes
-    from service.video_preprocess import preprocess_video_bytes
+    from service.media.video_preprocess import preprocess_video_bytes
 
     data = path.read_bytes()
     if sniff_modality(data) == "image":
@@ -125,7 +125,7 @@ def _progress(total: int):
 
 
 def add_bench_parser(sub) -> None:
-    from service.bench import DEFAULT_MODELS
+    from service.bench.towers import DEFAULT_MODELS
 
     p = sub.add_parser("bench", help="engine vs transformers side by side on one GPU",
                        description="Graphs on, graphs off and transformers eager on the same inputs, "
@@ -134,7 +134,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--workloads", default="", help="comma list (default: all)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
-    # HTTP load benchmark (service/http_bench.py); runs on a CPU machine too.
+    # HTTP load benchmark (service/bench/http.py); runs on a CPU machine too.
     p.add_argument("--http", action="store_true", help="load-test `vitserve serve` over HTTP on loopback against "
                                                        "the engine alone; writes OUT/http_bench.json")
     p.add_argument("--url", default=None, help="with --http: an already running server on a loopback address")
@@ -149,12 +149,12 @@ def add_bench_parser(sub) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.http:
-        from service.http_bench import run_from_args
+        from service.bench.http import run_from_args
 
         return run_from_args(args)
     import torch
 
-    from service.bench import run
+    from service.bench.towers import run
 
     if not torch.cuda.is_available():
         print("error: vitserve bench needs a CUDA GPU", file=sys.stderr)
@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vitserve", description="Vision-encoding inference server for Qwen-VL")
     parser.add_argument("--log-level", default="warning", help="logging level for encode and bench")
     sub = parser.add_subparsers(dest="command", required=True)
-    from service.server import add_serve_parser
+    from service.http.server import add_serve_parser
 
     add_serve_parser(sub)
     add_encode_parser(sub)

@@ -23,8 +23,8 @@ import numpy as np
 import uvicorn
 from PIL import Image
 
-from service.app import create_app
-from service.engine import Engine
+from service.engine.core import Engine
+from service.http.app import create_app
 from service.metrics import Metrics
 from service.settings import ServeSettings
 
@@ -116,7 +116,7 @@ def wait_ready(url: str, timeout: float = 120, proc: subprocess.Popen | None = N
 
 
 class SubprocessServer:
-    """`python -m service.server` in its own process (for signals), on a free loopback port."""
+    """`python -m service.http.server` in its own process (for signals), on a free loopback port."""
 
     def __init__(self, *flags: str, env: dict[str, str] | None = None, model: str | None = "tiny-qwen2-vl") -> None:
         self.port = free_port()
@@ -125,7 +125,7 @@ class SubprocessServer:
                     "--preprocess-workers", "2", "--log-level", "info", "--host", "127.0.0.1"]
         if model is not None:
             defaults += ["--model", model]
-        self.cmd = [sys.executable, "-m", "service.server", *defaults, "--port", str(self.port), *flags]
+        self.cmd = [sys.executable, "-m", "service.http.server", *defaults, "--port", str(self.port), *flags]
         # Only this test's VITSERVE_* variables reach the server.
         base = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
         self.env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", **(env or {})}

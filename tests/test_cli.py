@@ -14,7 +14,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from models import load_tower
-from service.preprocess import preprocess_image_bytes
+from service.media.image_preprocess import preprocess_image_bytes
 
 SAMPLE = Path(__file__).resolve().parents[1] / "service" / "assets" / "sample.jpg"
 

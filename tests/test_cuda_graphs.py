@@ -14,7 +14,7 @@ import torch
 from graphs.budgets import GraphKey
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
-from service.bench import hf_outputs, hf_visual
+from service.bench.towers import hf_outputs, hf_visual
 
 pytestmark = pytest.mark.cuda
 FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b"]

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from service.preprocess import preprocess_image_bytes
+from service.media.image_preprocess import preprocess_image_bytes
 from tests.http_helpers import ServerThread, b64, image_bytes, settings
 from tests.test_http_load import histogram
 

@@ -22,9 +22,9 @@ import torch
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
 from service import settings as settings_module
-from service.preprocess import preprocess_image_bytes
+from service.engine.processes import SEGMENT_PREFIX
+from service.media.image_preprocess import preprocess_image_bytes
 from service.settings import ServeSettings, SettingsError
-from service.workers import SEGMENT_PREFIX
 from tests.http_helpers import SubprocessServer, b64, image_bytes
 
 BUDGET = 256

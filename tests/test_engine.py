@@ -11,7 +11,7 @@ import torch
 
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
-from service.engine import (
+from service.engine.core import (
     Engine,
     EngineFailure,
     ItemError,
@@ -21,7 +21,7 @@ from service.engine import (
     Overloaded,
     RequestRejected,
 )
-from service.preprocess import preprocess_image_bytes
+from service.media.image_preprocess import preprocess_image_bytes
 from tests.http_helpers import image_bytes, settings
 
 SIZES = [(64, 64), (200, 150), (90, 300), (56, 56), (400, 120), (150, 150)]
@@ -318,7 +318,7 @@ def test_cuda_without_an_index_is_resolved_to_the_current_device(monkeypatch) ->
     import torch
 
     from models.loader import resolve_device
-    from service import engine
+    from service.engine import loading
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -327,8 +327,8 @@ def test_cuda_without_an_index_is_resolved_to_the_current_device(monkeypatch) ->
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     calls: list = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    engine._bind_device(torch.device("cuda"))
-    engine._bind_device(torch.device("cuda", 1))
+    loading.bind_device(torch.device("cuda"))
+    loading.bind_device(torch.device("cuda", 1))
     assert calls == [3, torch.device("cuda", 1)]
 
 

@@ -179,7 +179,7 @@ def test_padding_rule_only_where_asked(runner):
 
 
 def test_the_servers_runner_never_pads_eagerly():
-    from service.engine import build_runner
+    from service.engine.loading import build_runner
     from tests.http_helpers import settings
 
     assert build_runner(settings(max_batch_tokens=256)).eager_when_cheaper is False

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from service.engine import Engine
+from service.engine.core import Engine
 from tests.http_helpers import ServerThread, b64, image_bytes, settings
 
 IMAGE = image_bytes(200, 150, seed=3)  # 35 tokens with tiny-qwen2-vl

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from service import http_bench
+from service.bench import http as http_bench
 from service.cli import main
 from tests.http_helpers import QuietHandler, free_port, loopback_http_server, server_url
 

@@ -17,7 +17,7 @@ import torch
 
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
-from service.preprocess import preprocess_image_bytes
+from service.media.image_preprocess import preprocess_image_bytes
 from tests.http_helpers import ServerThread, b64, image_bytes, settings
 
 CLIENTS = 40

@@ -19,7 +19,7 @@ from safetensors.torch import load as load_safetensors
 
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
-from service.preprocess import preprocess_image_bytes
+from service.media.image_preprocess import preprocess_image_bytes
 from tests.checkpoints import write_checkpoint
 from tests.http_helpers import ServerThread, b64, image_bytes, settings
 from tests.videos import make_video
@@ -197,7 +197,7 @@ def test_multipart_matches_json(served):
 
 
 def test_video_over_http():
-    from service.video_preprocess import preprocess_video_bytes
+    from service.media.video_preprocess import preprocess_video_bytes
 
     cfg = settings()
     tower = load_tower(cfg.model, device="cpu", dtype="float32")

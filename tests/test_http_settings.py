@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from service.app import ApiError, decode_media
+from service.http.app import ApiError, decode_media
+from service.http.server import FLAGS, add_serve_parser, main, settings_from_args
 from service.media.sniff import sniff_modality
-from service.server import FLAGS, add_serve_parser, main, settings_from_args
 from service.settings import ServeSettings, SettingsError
 from tests.http_helpers import image_bytes
 from tests.videos import make_video
@@ -141,7 +141,7 @@ def test_fastapi_telemetry_is_off_unless_opentelemetry_is_configured(monkeypatch
 
     from fastapi import FastAPI
 
-    from service.app import telemetry_options
+    from service.http.app import telemetry_options
 
     for key in [k for k in os.environ if k.startswith(("OTEL_", "FASTAPI_OTEL_"))]:
         monkeypatch.delenv(key)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from service.ec_storage import FILE_NAME, TENSOR_KEY
+from service.handoff.ec_storage import FILE_NAME, TENSOR_KEY
 from tests.http_helpers import (
     QuietHandler,
     ServerThread,

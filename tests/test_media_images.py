@@ -14,7 +14,7 @@ from PIL import Image, ImageFile
 
 from models.config import ProcessorConfig
 from service.media import DEFAULT_MAX_IMAGE_PIXELS, MediaError, decode_image, sniff_format, to_rgb
-from service.preprocess import preprocess_image_bytes
+from service.media.image_preprocess import preprocess_image_bytes
 
 
 def encode(image: Image.Image, fmt: str, **kwargs: object) -> bytes:

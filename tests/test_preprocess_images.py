@@ -17,7 +17,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from models.config import ProcessorConfig
 from service.media.errors import MediaError
-from service.preprocess import patchify, preprocess_image, preprocess_image_bytes, smart_resize
+from service.media.image_preprocess import patchify, preprocess_image, preprocess_image_bytes, smart_resize
 
 # Real min_pixels, smaller max_pixels than the checkpoints so "beyond max_pixels" stays cheap.
 QWEN2 = ProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 64)

@@ -1,4 +1,4 @@
-"""The vLLM hand-off example (`service/sidecar.py`) end to end: a real vitserve on loopback, a fake vLLM
+"""The vLLM hand-off example (`service/handoff/sidecar.py`) end to end: a real vitserve on loopback, a fake vLLM
 endpoint recording the chat request, the parts decoded exactly as vLLM decodes them."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from service import sidecar
-from service.ec_storage import FILE_NAME, TENSOR_KEY
+from service.handoff import sidecar
+from service.handoff.ec_storage import FILE_NAME, TENSOR_KEY
 from tests.http_helpers import (
     ROOT,
     QuietHandler,
@@ -101,12 +101,12 @@ def check_parts(parts: list[dict[str, Any]], reference: list[dict[str, Any]], mo
 
 
 def test_example_end_to_end(server, vllm, tmp_path):
-    """`python -m service.sidecar` as a user runs it: both POSTs, vLLM's answer on stdout."""
+    """`python -m service.handoff.sidecar` as a user runs it: both POSTs, vLLM's answer on stdout."""
     paths = []
     for i, data in enumerate(IMAGES):
         paths.append(tmp_path / f"img{i}.bin")
         paths[-1].write_bytes(data)
-    cmd = [sys.executable, "-m", "service.sidecar", "--vitserve", server.url, "--vllm", vllm_url(vllm),
+    cmd = [sys.executable, "-m", "service.handoff.sidecar", "--vitserve", server.url, "--vllm", vllm_url(vllm),
            "--model", "qwen-vl-test", "--prompt", "What is in the pictures?", "--max-tokens", "16", *map(str, paths)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

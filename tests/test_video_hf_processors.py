@@ -36,7 +36,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 
 from models.config import ProcessorConfig, VisualInput  # noqa: E402
 from models.layers import Normalize  # noqa: E402
-from service.video_preprocess import preprocess_video_bytes  # noqa: E402
+from service.media.video_preprocess import preprocess_video_bytes  # noqa: E402
 from tests.videos import QWEN2, QWEN3, QWEN25, decode_all, make_video  # noqa: E402
 
 av.logging.set_level(av.logging.ERROR)

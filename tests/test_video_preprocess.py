@@ -1,4 +1,4 @@
-"""Qwen-VL frame sampling and video preprocessing (service/video_preprocess.py).
+"""Qwen-VL frame sampling and video preprocessing (service/media/video_preprocess.py).
 
 The reference rules are transcribed here independently, as plainly as the sources read
 (qwen-vl-utils 0.0.14 `vision_process.py` for Qwen2-VL/Qwen2.5-VL, transformers'
@@ -22,8 +22,8 @@ from PIL import Image
 
 from models.config import ProcessorConfig
 from service.media.errors import MediaError
-from service.preprocess import smart_resize
-from service.video_preprocess import (
+from service.media.image_preprocess import smart_resize
+from service.media.video_preprocess import (
     frame_range,
     patchify_video,
     plan_sampling,

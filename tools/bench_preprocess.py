@@ -25,8 +25,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from models.config import ProcessorConfig
 from models.presets import QWEN3_PRE, QWEN3_VIDEO_PRE
+from service.media.image_preprocess import preprocess_image, preprocess_image_bytes
 from service.media.images import decode_image
-from service.preprocess import preprocess_image, preprocess_image_bytes
 
 CONFIGS = {
     "qwen2_vl": ProcessorConfig(),

@@ -45,7 +45,7 @@ import transformers
 from models.config import ProcessorConfig
 from models.presets import QWEN3_PRE, QWEN3_VIDEO_PRE
 from service.media.video import VideoReader
-from service.video_preprocess import plan_sampling, preprocess_video_bytes
+from service.media.video_preprocess import plan_sampling, preprocess_video_bytes
 
 WIDTH, HEIGHT, FPS, SECONDS = 1280, 720, 30, 30
 CONFIGS = {

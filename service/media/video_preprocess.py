@@ -28,8 +28,8 @@ from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import ASPECT_RATIO, MediaError
+from service.media.image_preprocess import MAX_ASPECT_RATIO, smart_resize
 from service.media.video import DEFAULT_MAX_FRAME_PIXELS, TOO_FEW_FRAMES, VideoReader
-from service.preprocess import MAX_ASPECT_RATIO, smart_resize
 
 INVALID_OPTION = "invalid_option"
 

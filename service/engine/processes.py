@@ -46,16 +46,15 @@ import torch
 from graphs.packing import Batch
 from graphs.runner import GraphRunner, pack_inputs
 from models.config import VisualInput
-from service.engine import (
-    Engine,
+from service.engine.loading import build_runner
+from service.engine.types import (
     EngineDied,
     EngineFailure,
     ItemResult,
     ModelInfo,
     NotReady,
-    _error_id,
-    _Work,
-    build_runner,
+    Work,
+    new_error_id,
 )
 from service.metrics import EngineSample
 from service.settings import ServeSettings
@@ -168,14 +167,14 @@ def run_job(runner: GraphRunner, job: Job) -> tuple:
     try:
         segment = SharedMemory(job.segment)
     except FileNotFoundError:
-        error_id = _error_id()
+        error_id = new_error_id()
         log.error("batch %d: segment %s is gone, error id %s", job.id, job.segment, error_id)
         return ("error", job.id, error_id, f"internal error {error_id}: shared memory segment missing")
     try:
         _run_in(runner, job, segment.buf)
         return ("done", job.id, time.perf_counter() - t0, runner.stats.as_dict())
     except Exception as exc:
-        error_id = _error_id()
+        error_id = new_error_id()
         log.exception("batch %s of %d item(s) failed, error id %s", job.batch.key, len(job.items), error_id)
         return ("error", job.id, error_id, f"internal error {error_id}: {type(exc).__name__}")
     finally:
@@ -238,7 +237,7 @@ class _Pending:
     job: Job
     engine: EngineProc
     segment: SharedMemory
-    members: list[_Work]
+    members: list[Work]
     taken: float
 
 
@@ -268,7 +267,7 @@ class MergedStats:
 class ProcessPoolBackend:
     """The `Backend` of a multi-engine server: one spawned process per device (see the module doc)."""
 
-    def __init__(self, engine: Engine, devices: list[str]) -> None:
+    def __init__(self, engine: Any, devices: list[str]) -> None:
         self.engine = engine
         self.devices = devices
         self.engines: list[EngineProc] = []
@@ -332,7 +331,7 @@ class ProcessPoolBackend:
         live = [e for e in self.engines if e.state == "ready"]
         return not live or any(e.outstanding_batches == 0 for e in live)  # none live: let the work fail
 
-    def process(self, work: list[_Work]) -> None:
+    def process(self, work: list[Work]) -> None:
         assert self.model is not None
         metrics = self.engine.metrics
         live = [w for w in work if not w.cancelled]
@@ -350,12 +349,12 @@ class ProcessPoolBackend:
                 continue
             self._dispatch(batch, members, taken)
 
-    def _dispatch(self, batch: Batch, members: list[_Work], taken: float) -> None:
+    def _dispatch(self, batch: Batch, members: list[Work], taken: float) -> None:
         job_id = next(self._jobs)
         try:
             job, segment = self._stage(job_id, batch, members)
         except OSError as exc:  # /dev/shm full or missing: this batch fails, the server goes on
-            error_id = _error_id()
+            error_id = new_error_id()
             log.error("batch of %d item(s): no shared memory (%s), error id %s; give /dev/shm more room",
                       len(members), exc, error_id)
             self._fail(members, EngineFailure(f"internal error {error_id}: shared memory exhausted", error_id))
@@ -379,7 +378,7 @@ class ProcessPoolBackend:
         live = [e for e in self.engines if e.state == "ready"]
         return min(live, key=lambda e: (e.outstanding_tokens, e.idle_since), default=None)
 
-    def _stage(self, job_id: int, batch: Batch, members: list[_Work]) -> tuple[Job, SharedMemory]:
+    def _stage(self, job_id: int, batch: Batch, members: list[Work]) -> tuple[Job, SharedMemory]:
         """Lay the batch out in a new segment and write its pixels there."""
         assert self.model is not None
         hidden, layers, served = self.model.out_hidden_size, self.model.num_deepstack, self.model.dtype
@@ -473,7 +472,7 @@ class ProcessPoolBackend:
         done = [(w, res) for w, res in zip(pending.members, results) if res is not None]
         self.engine._deliver_all([w for w, _ in done], [res for _, res in done])
 
-    def _result(self, w: _Work, item: JobItem, pending: _Pending, gpu_s: float) -> ItemResult:
+    def _result(self, w: Work, item: JobItem, pending: _Pending, gpu_s: float) -> ItemResult:
         buf = pending.segment.buf
         tensors = {slot.name: _view(buf, slot).clone() for slot in item.outputs}  # own memory: the segment goes
         v = w.visual
@@ -516,7 +515,7 @@ class ProcessPoolBackend:
         if was == "ready" and left == 0 and not self._stopping:
             self.engine.engines_lost("every engine process exited")
 
-    def _fail(self, members: list[_Work], exc: Exception) -> None:
+    def _fail(self, members: list[Work], exc: Exception) -> None:
         for w in members:
             self.engine._deliver(w, exc=exc)
 
@@ -586,7 +585,7 @@ class ProcessPoolBackend:
                     for e in self.engines]
 
 
-def _outputs(w: _Work, hidden: int, layers: int, served: torch.dtype) -> list[tuple[str, torch.dtype, int]]:
+def _outputs(w: Work, hidden: int, layers: int, served: torch.dtype) -> list[tuple[str, torch.dtype, int]]:
     """(name, dtype, width) of each tensor the item's request wants, as the in-process engine returns them."""
     spec = w.spec
     out = [("embeds", spec.dtype, hidden)]

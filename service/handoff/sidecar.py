@@ -13,7 +13,7 @@ Two modes (docs/sidecar.md walks through both):
 Only the standard library is needed to talk HTTP (`urllib`), so the module can be copied into a proxy
 container; torch is imported only by `decode_content_part`.
 
-    python -m service.sidecar --vitserve http://127.0.0.1:8100 --vllm http://127.0.0.1:8000 \
+    python -m service.handoff.sidecar --vitserve http://127.0.0.1:8100 --vllm http://127.0.0.1:8000 \
         --model qwen2.5-vl-7b --prompt "What is in the picture?" cat.jpg
 """
 
@@ -168,7 +168,7 @@ def run(vitserve_url: str, vllm_url: str, model: str, prompt: str, images: Seque
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m service.sidecar",
+    p = argparse.ArgumentParser(prog="python -m service.handoff.sidecar",
                                 description="Encode images on vitserve and ask a vLLM server about them.")
     p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
     p.add_argument("--vitserve", required=True, help="vitserve base URL, e.g. http://127.0.0.1:8100")

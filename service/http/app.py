@@ -37,9 +37,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service import encoders
-from service.ec_storage import ECSharedStorage
-from service.engine import (
+from service.engine.core import (
     Engine,
     EngineDied,
     EngineError,
@@ -52,10 +50,9 @@ from service.engine import (
     Overloaded,
     RequestRejected,
 )
-from service.media.sniff import sniff_modality
-from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.metrics import Metrics
-from service.schemas import (
+from service.handoff.ec_storage import ECSharedStorage
+from service.http import encoders
+from service.http.schemas import (
     EncodeRequest,
     EncodeResponse,
     ErrorResponse,
@@ -64,6 +61,9 @@ from service.schemas import (
     MultipartOptions,
     OutputOptions,
 )
+from service.media.sniff import sniff_modality
+from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.metrics import Metrics
 from service.settings import ServeSettings
 
 log = logging.getLogger("vitserve.http")

@@ -21,8 +21,8 @@ import uvicorn
 
 from graphs.budgets import BudgetError, BudgetPlan
 from models.presets import DEFAULT_MODEL, PRESETS
-from service.app import Service, create_app
-from service.engine import Engine
+from service.engine.core import Engine
+from service.http.app import Service, create_app
 from service.metrics import Metrics
 from service.settings import ServeSettings, SettingsError
 
@@ -173,7 +173,7 @@ def serve(settings: ServeSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m service.server [serve flags]`: the serve subcommand on its own."""
+    """`python -m service.http.server [serve flags]`: the serve subcommand on its own."""
     parser = argparse.ArgumentParser(prog="vitserve-serve", description="vitserve HTTP server")
     add_serve_arguments(parser)
     return run_from_args(parser.parse_args(argv))

@@ -405,7 +405,7 @@ def _time_engine(runner: Any, images: Sequence[bytes], workers: int, single_reps
                  batch_reps: int) -> dict[str, Any]:
     import torch
 
-    from service.preprocess import preprocess_image_bytes
+    from service.media.image_preprocess import preprocess_image_bytes
 
     proc, dev = runner.tower.processor, runner.device
 

@@ -10,7 +10,7 @@ Items of one request may land in different batches; each has its own future, so 
 reassembles them in order. Items whose request went away (timeout, disconnect) are skipped.
 
 What the engine thread does with the work it takes is a `Backend`'s job: `InProcessBackend` (one
-engine, the default) runs it here through the `GraphRunner`; `service.workers.ProcessPoolBackend`
+engine, the default) runs it here through the `GraphRunner`; `service.engine.processes.ProcessPoolBackend`
 (`--data-parallel N`) packs it and hands each batch to the least-loaded of N engine processes.
 """
 
@@ -20,174 +20,39 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from graphs.budgets import BudgetPlan
-from graphs.runner import GraphRunner, ItemOutput, plan_for
+from graphs.runner import GraphRunner, ItemOutput
 from models.config import ProcessorConfig, VisualInput
+from service.engine.loading import bind_device, build_runner
+from service.engine.types import (
+    IMAGE_OPTIONS,
+    VIDEO_OPTIONS,
+    EngineDied,
+    EngineError,
+    EngineFailure,
+    ItemError,
+    ItemResult,
+    MediaItem,
+    ModelInfo,
+    NotReady,
+    OutputSpec,
+    Overloaded,
+    RequestRejected,
+    Work,
+    new_error_id,
+)
 from service.media.errors import MediaError
 from service.metrics import Metrics
 from service.settings import ServeSettings
 
 log = logging.getLogger("vitserve.engine")
-
-Modality = Literal["image", "video"]
-IMAGE_OPTIONS = ("min_pixels", "max_pixels")
-VIDEO_OPTIONS = ("fps", "nframes", "min_frames", "max_frames", "video_start", "video_end", "min_pixels",
-                 "max_pixels", "total_pixels")
-
-
-# ---- errors the HTTP layer maps to statuses --------------------------------------------------
-class EngineError(Exception):
-    code = "internal"
-
-    def __init__(self, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if code:
-            self.code = code
-
-
-class ItemError(EngineError):
-    """One item cannot be used (422); `index` is its position in the request."""
-
-    def __init__(self, index: int, message: str, code: str) -> None:
-        super().__init__(message, code)
-        self.index = index
-
-
-class RequestRejected(EngineError):
-    """The request as a whole is invalid for this server (422)."""
-
-
-class Overloaded(EngineError):
-    """Admission refused: too much queued or in flight (429)."""
-
-    code = "overloaded"
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class NotReady(EngineError):
-    """Still loading, draining or stopped (503)."""
-
-    code = "not_ready"
-
-
-class EngineFailure(EngineError):
-    """The device run failed (500); the traceback is logged under `error_id`."""
-
-    def __init__(self, message: str, error_id: str) -> None:
-        super().__init__(message, "engine_failure")
-        self.error_id = error_id
-
-
-class EngineDied(EngineError):
-    """The engine process running the item exited (503); the other engines keep serving."""
-
-    code = "engine_failed"
-
-
-# ---- units of work ---------------------------------------------------------------------------
-@dataclass
-class MediaItem:
-    """What the HTTP layer hands over: one item's bytes and its preprocessing options."""
-
-    index: int
-    modality: Modality
-    data: bytes
-    options: dict[str, Any] = field(default_factory=dict)
-    id: str | None = None
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """What the response needs from each item, produced on the host by the engine thread."""
-
-    dtype: torch.dtype = torch.float32
-    deepstack: bool = False  # per-layer DeepStack tensors
-    joined: bool = False  # main embedding and DeepStack concatenated along hidden (vLLM's layout)
-    ec_cache: bool = False  # the joined tensor in the served dtype, for items that carry an id
-
-
-@dataclass
-class ItemResult:
-    index: int
-    modality: Modality
-    id: str | None
-    grid_thw: tuple[int, int, int]
-    num_patches: int
-    num_tokens: int
-    meta: dict[str, Any]
-    embeds: torch.Tensor  # host, [tokens, D], spec dtype
-    deepstack: list[torch.Tensor] = field(default_factory=list)
-    joined: torch.Tensor | None = None
-    ec_cache: torch.Tensor | None = None
-    preprocess_s: float = 0.0
-    queue_s: float = 0.0
-    gpu_s: float = 0.0
-
-
-@dataclass(eq=False)
-class _Work:
-    item: MediaItem
-    visual: VisualInput
-    tokens: int
-    spec: OutputSpec
-    want_ec: bool
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    preprocess_s: float
-    enqueued: float = 0.0
-    cancelled: bool = False  # set on the event loop, read by the engine thread
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the front needs to know of the served model, whichever backend runs it (picklable)."""
-
-    family: str | None
-    processor: ProcessorConfig
-    dtype: torch.dtype  # served dtype: parameters and raw outputs
-    device: str
-    out_hidden_size: int
-    num_deepstack: int
-    plan: BudgetPlan
-    captured: tuple[str, ...]
-    capture_failures: dict[str, str]
-    replay_overhead_tokens: float | None = None  # measured at start-up; the packing weighs it
-
-    @property
-    def merge_unit(self) -> int:
-        return self.plan.merge_unit
-
-    @classmethod
-    def from_runner(cls, runner: GraphRunner) -> ModelInfo:
-        tower = runner.tower
-        return cls(
-            family=getattr(tower, "family", None),
-            processor=tower.processor,
-            dtype=next(tower.parameters()).dtype,
-            device=str(runner.device),
-            out_hidden_size=tower.out_hidden_size,
-            num_deepstack=tower.num_deepstack,
-            plan=runner.plan,
-            captured=tuple(sorted(str(k) for k in runner.pool.graphs)),
-            capture_failures={str(k): v for k, v in runner.pool.failed.items()},
-            replay_overhead_tokens=runner.replay_overhead_tokens,
-        )
-
-
 class Backend(Protocol):
     """Where the engine thread's work runs. `load` runs on the loading thread, `wait_capacity` and
     `process` on the engine thread (`process` settles every item it is given: a result or an
@@ -201,7 +66,7 @@ class Backend(Protocol):
         """Block the engine thread until a batch can be handed over (or `stopping()`)."""
         ...
 
-    def process(self, work: list[_Work]) -> None:
+    def process(self, work: list[Work]) -> None:
         """Run (or hand over) the work taken from the queues."""
         ...
 
@@ -238,7 +103,7 @@ class InProcessBackend:
     def wait_capacity(self, stopping: Callable[[], bool]) -> None:
         return  # the engine thread itself runs the work: it is free whenever it asks
 
-    def process(self, work: list[_Work]) -> None:
+    def process(self, work: list[Work]) -> None:
         self.engine._process(work)
 
     def stop(self, timeout: float) -> None:
@@ -254,25 +119,6 @@ class InProcessBackend:
         return {"status": "ready"}
 
 
-def build_runner(settings: ServeSettings) -> GraphRunner:
-    """Load the tower on `settings.device` and capture its graphs."""
-    from models.loader import load_tower, resolve_device
-
-    s = settings
-    t0 = time.perf_counter()
-    device = resolve_device(s.device)
-    _bind_device(device)
-    tower = load_tower(s.model, device=s.device, dtype=s.dtype)
-    plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
-    runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking,
-                         eager_when_cheaper=False)
-    log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
-             time.perf_counter() - t0, "no" if s.eager else len(plan.keys(runner.modalities)))
-    runner.capture()
-    return runner
-
-
-# ---- the engine ------------------------------------------------------------------------------
 class Engine:
     def __init__(self, settings: ServeSettings, metrics: Metrics | None = None,
                  runner: GraphRunner | None = None, on_fatal: Callable[[str], None] | None = None) -> None:
@@ -288,7 +134,7 @@ class Engine:
         self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vitserve-pre")
         self._cond = threading.Condition()
         self._preparing = 0  # requests admitted and preprocessing, not yet queued
-        self._queues: dict[str, deque[_Work]] = {"image": deque(), "video": deque()}
+        self._queues: dict[str, deque[Work]] = {"image": deque(), "video": deque()}
         self._queued_items = 0
         self._queued_tokens = 0
         self._inflight = 0
@@ -309,7 +155,7 @@ class Engine:
             return InProcessBackend(self)
         if self.runner is not None:
             raise ValueError("a runner is given: --data-parallel must be 1")
-        from service.workers import ProcessPoolBackend  # spawns processes: only imported when asked for
+        from service.engine.processes import ProcessPoolBackend  # spawns processes: only imported when asked for
 
         return ProcessPoolBackend(self, devices)
 
@@ -465,7 +311,7 @@ class Engine:
                 raise RequestRejected(f"the request needs {total} tokens, above the queue limit of {limit} "
                                       "(--max-queued-tokens): send fewer or smaller items", "too_many_tokens")
             works = [
-                _Work(it, v, n, spec, spec.ec_cache and it.id is not None, loop.create_future(), loop, dt)
+                Work(it, v, n, spec, spec.ec_cache and it.id is not None, loop.create_future(), loop, dt)
                 for it, (v, dt), n in zip(items, prepared, tokens)
             ]
         except BaseException:
@@ -520,7 +366,7 @@ class Engine:
         return visual, dt
 
     def _preprocess_image(self, item: MediaItem, cfg: ProcessorConfig) -> VisualInput:
-        from service.preprocess import preprocess_image_bytes
+        from service.media.image_preprocess import preprocess_image_bytes
 
         opts = _options(item, IMAGE_OPTIONS)
         lo = opts.get("min_pixels", cfg.min_pixels)
@@ -534,7 +380,7 @@ class Engine:
 
     def _preprocess_video(self, item: MediaItem, cfg: ProcessorConfig) -> VisualInput:
         try:
-            from service.video_preprocess import preprocess_video_bytes
+            from service.media.video_preprocess import preprocess_video_bytes
         except ImportError:
             raise ItemError(item.index, "video input is not available in this build", "unsupported_type") from None
         opts = _options(item, VIDEO_OPTIONS)
@@ -552,7 +398,7 @@ class Engine:
         self.metrics.queue_items.set(self._queued_items)
         self.metrics.queue_tokens.set(self._queued_tokens)
 
-    def _take(self) -> list[_Work] | None:
+    def _take(self) -> list[Work] | None:
         """Block until work is queued, let a batch fill for at most max_wait_ms, take it all."""
         max_wait = self.settings.max_wait_ms / 1000
         full = self.model.plan.max_budget if self.model else self.settings.max_batch_tokens
@@ -580,7 +426,7 @@ class Engine:
 
     def _run(self) -> None:
         if self.runner is not None:
-            _bind_device(self.runner.device)
+            bind_device(self.runner.device)
         while True:
             self.backend.wait_capacity(lambda: self._stopping)
             work = self._take()
@@ -589,7 +435,7 @@ class Engine:
             try:
                 self.backend.process(work)
             except Exception as exc:  # never let the loop die: fail what was taken, keep serving
-                error_id = _error_id()
+                error_id = new_error_id()
                 log.exception("engine error %s", error_id)
                 for w in work:
                     self._deliver(w, exc=EngineFailure(f"internal error {error_id}: {type(exc).__name__}", error_id))
@@ -605,7 +451,7 @@ class Engine:
         for w in work:
             self._deliver(w, exc=exc)
 
-    def _process(self, work: list[_Work]) -> None:
+    def _process(self, work: list[Work]) -> None:
         runner = self.runner
         assert runner is not None
         live = [w for w in work if not w.cancelled]
@@ -629,7 +475,7 @@ class Engine:
                 outs = runner.run_batch(batch, [w.visual for w in members])
                 results = self._to_host_batch(members, outs, taken)
             except Exception as exc:
-                error_id = _error_id()
+                error_id = new_error_id()
                 log.exception("batch %s of %d item(s) failed, error id %s", batch.key, len(members), error_id)
                 failure = EngineFailure(f"internal error {error_id}: {type(exc).__name__}", error_id)
                 for w in members:
@@ -645,7 +491,7 @@ class Engine:
                 self.metrics.tokens.inc(w.tokens)
             self._deliver_all(members, results)
 
-    def _to_host_batch(self, members: list[_Work], outs: list[ItemOutput], taken: float) -> list[ItemResult]:
+    def _to_host_batch(self, members: list[Work], outs: list[ItemOutput], taken: float) -> list[ItemResult]:
         """Every item's result on the host. The rows of all items that want the same dtype cross in one
         copy per output (embeddings, each DeepStack level) rather than one per item: fewer device
         syncs and fewer GIL handovers on the engine thread."""
@@ -667,7 +513,7 @@ class Engine:
         return [self._to_host(w, out, taken, e, d)  # type: ignore[arg-type]
                 for w, out, e, d in zip(members, outs, embeds, deepstack)]
 
-    def _to_host(self, w: _Work, out: ItemOutput, taken: float, embeds: torch.Tensor,
+    def _to_host(self, w: Work, out: ItemOutput, taken: float, embeds: torch.Tensor,
                  deepstack: list[torch.Tensor]) -> ItemResult:
         """Requested dtype and layout on the host, so the event loop never syncs (`embeds` and
         `deepstack` are there already, from _to_host_batch)."""
@@ -692,7 +538,7 @@ class Engine:
             queue_s=taken - w.enqueued,
         )
 
-    def _deliver_all(self, members: list[_Work], results: list[ItemResult]) -> None:
+    def _deliver_all(self, members: list[Work], results: list[ItemResult]) -> None:
         """A batch's results, one wake-up of each event loop for all of them: every wake-up is a
         write to the loop's pipe, which releases and retakes the GIL on the engine thread."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, ItemResult]]] = {}
@@ -704,7 +550,7 @@ class Engine:
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 pass
 
-    def _deliver(self, w: _Work, result: ItemResult | None = None, exc: BaseException | None = None) -> None:
+    def _deliver(self, w: Work, result: ItemResult | None = None, exc: BaseException | None = None) -> None:
         try:
             w.loop.call_soon_threadsafe(_settle, w.future, result, exc)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
@@ -774,12 +620,6 @@ def _options(item: MediaItem, allowed: tuple[str, ...]) -> dict[str, Any]:
     return {k: v for k, v in item.options.items() if v is not None}
 
 
-def _bind_device(device: torch.device) -> None:
-    # The current CUDA device is per thread: the loading and engine threads must use the served one.
-    if device.type == "cuda":  # "cuda" without an index is the default device, as torch reads it
-        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
-
-
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).contiguous().cpu()
 
@@ -812,5 +652,3 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
         future.set_result(result)
 
 
-def _error_id() -> str:
-    return "err-" + uuid.uuid4().hex[:12]

@@ -1,0 +1,1 @@
+"""The engine: admission and queues, batching into the graph pool, and the processes that run it."""

@@ -1,0 +1,40 @@
+"""Loading a tower on its device and capturing its graph pool, for whichever process serves it."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from graphs.runner import GraphRunner, plan_for
+from service.settings import ServeSettings
+
+log = logging.getLogger("vitserve.engine")
+
+
+def build_runner(settings: ServeSettings) -> GraphRunner:
+    """Load the tower on `settings.device` and capture its graphs."""
+    from models.loader import load_tower, resolve_device
+
+    s = settings
+    t0 = time.perf_counter()
+    device = resolve_device(s.device)
+    bind_device(device)
+    tower = load_tower(s.model, device=s.device, dtype=s.dtype)
+    plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
+    runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking,
+                         eager_when_cheaper=False)
+    log.info("loaded %s (%s) on %s in %.1fs; capturing %s graphs", s.model, tower.family, device,
+             time.perf_counter() - t0, "no" if s.eager else len(plan.keys(runner.modalities)))
+    runner.capture()
+    return runner
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+
+def bind_device(device: torch.device) -> None:
+    # The current CUDA device is per thread: the loading and engine threads must use the served one.
+    if device.type == "cuda":  # "cuda" without an index is the default device, as torch reads it
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,1 @@
+"""Handing encoder outputs to an LLM server: vLLM's encoder-cache folder layout and an example client."""
