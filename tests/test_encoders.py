@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
-from service.engine.core import ItemResult
+from service.engine.types import ItemResult
 from service.handoff.ec_storage import FILE_NAME, TENSOR_KEY, ECSharedStorage, id_problem
 from service.http import encoders
 

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from service.http.app import ApiError, decode_media
+from service.http.errors import ApiError
+from service.http.parsing import decode_media
 from service.http.server import FLAGS, add_serve_parser, main, settings_from_args
 from service.media.sniff import sniff_modality
 from service.settings import ServeSettings, SettingsError

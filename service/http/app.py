@@ -1,402 +1,46 @@
-"""The HTTP layer: authenticate, bound and parse the body, turn media fields into bytes, hand the
-items to the engine and serialise what it returns. No batching or device work happens here.
-
-Every error status carries one JSON shape: `{"error": {"type", "message", "index", "code"}}`.
-"""
+"""The FastAPI app: authenticate, bound and parse the body, turn media fields into bytes, hand the
+items to the engine and serialise what it returns. No batching or device work happens here."""
 
 from __future__ import annotations
 
 import asyncio
-import binascii
 import hmac
-import http.client
 import inspect
 import json
 import logging
 import os
-import re
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any, TypeVar
 
-import pybase64
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.engine.core import (
-    Engine,
-    EngineDied,
-    EngineError,
-    EngineFailure,
-    ItemError,
-    ItemResult,
-    MediaItem,
-    NotReady,
-    OutputSpec,
-    Overloaded,
-    RequestRejected,
-)
+from service.engine.core import Engine
+from service.engine.types import EngineError, ItemResult, NotReady, OutputSpec
 from service.handoff.ec_storage import ECSharedStorage
 from service.http import encoders
+from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large
+from service.http.parsing import Parsed, parse_json_request, parse_multipart
 from service.http.schemas import (
     EncodeRequest,
     EncodeResponse,
     ErrorResponse,
-    FileOptions,
-    ImageItem,
     MultipartOptions,
-    OutputOptions,
 )
-from service.media.sniff import sniff_modality
+from service.http.urls import UrlFetcher
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
 from service.settings import ServeSettings
+from service.version import VERSION
 
 log = logging.getLogger("vitserve.http")
 T = TypeVar("T")
-
-try:
-    VERSION = metadata.version("vitserve")
-except metadata.PackageNotFoundError:  # running from a checkout
-    VERSION = "0.1.0"
-
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-_WHITESPACE = str.maketrans("", "", " \t\r\n")
-
-
-# ---- errors ------------------------------------------------------------------------------------
-class ApiError(Exception):
-    def __init__(self, status: int, type_: str, message: str, code: str | None = None, index: int | None = None,
-                 headers: dict[str, str] | None = None, error_id: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message = status, type_, message
-        self.code, self.index, self.headers, self.error_id = code, index, headers, error_id
-
-    def response(self) -> JSONResponse:
-        body: dict[str, Any] = {"type": self.type, "message": self.message, "index": self.index, "code": self.code}
-        if self.error_id:
-            body["error_id"] = self.error_id
-        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
-
-
-class ClientGone(Exception):
-    """The client disconnected while its items were queued or running."""
-
-
-def item_error(index: int, message: str, code: str) -> ApiError:
-    return ApiError(422, "invalid_item", message, code, index)
-
-
-def from_engine(exc: Exception) -> ApiError:
-    if isinstance(exc, ItemError):
-        return item_error(exc.index, exc.message, exc.code)
-    if isinstance(exc, RequestRejected):
-        return ApiError(422, "invalid_request", exc.message, exc.code)
-    if isinstance(exc, Overloaded):
-        return ApiError(429, "overloaded", exc.message, exc.code, headers={"Retry-After": str(exc.retry_after)})
-    if isinstance(exc, NotReady):
-        return ApiError(503, "unavailable", exc.message, exc.code, headers={"Retry-After": "5"})
-    if isinstance(exc, EngineFailure):
-        return ApiError(500, "internal", exc.message, exc.code, error_id=exc.error_id)
-    if isinstance(exc, EngineDied):  # one engine of several exited: a retry lands on another
-        return ApiError(503, "engine_failed", exc.message, exc.code, headers={"Retry-After": "1"})
-    raise TypeError(exc)
-
-
-def pydantic_error(exc: ValidationError, prefix: tuple = ()) -> ApiError:
-    """The first problem, with the item index when it lies inside `items[i]`."""
-    err = exc.errors(include_url=False)[0]
-    loc = tuple(prefix) + tuple(err["loc"])
-    where = ".".join(str(p) for p in loc) or "body"
-    message = f"{where}: {err['msg'].removeprefix('Value error, ')}"
-    code = {"extra_forbidden": "unknown_field", "union_tag_invalid": "unsupported_type",
-            "missing": "missing_field", "json_invalid": "invalid_json"}.get(err["type"], "invalid_value")
-    if len(loc) >= 2 and loc[0] == "items" and isinstance(loc[1], int):
-        return item_error(loc[1], message, code)
-    return ApiError(422, "invalid_request", message, code)
-
-
-# ---- parsed requests ---------------------------------------------------------------------------
-@dataclass
-class Pending:
-    """An item after parsing: bytes, or a URL still to fetch."""
-
-    index: int
-    modality: str
-    data: bytes | None
-    url: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    id: str | None = None
-
-    def media(self) -> MediaItem:
-        assert self.data is not None
-        return MediaItem(self.index, self.modality, self.data, self.options, self.id)  # type: ignore[arg-type]
-
-
-@dataclass
-class Parsed:
-    items: list[Pending]
-    output: OutputOptions
-
-
-def decode_media(value: str, index: int, modality: str, allow_url: bool) -> tuple[bytes | None, str | None]:
-    """A media field -> (bytes, None) or (None, url). Never touches the filesystem."""
-    head = value[:16].lower()
-    if head.startswith(("http://", "https://")):
-        if not allow_url:
-            raise item_error(index, "URLs are not accepted by this server (it runs without --allow-url): "
-                                    "send the file's bytes as base64", "url_not_allowed")
-        return None, value
-    if head.startswith("data:"):
-        meta, sep, payload = value.partition(",")
-        if not sep or not meta.lower().endswith(";base64"):
-            raise item_error(index, "a data URL must look like data:<mime>;base64,<payload>", "invalid_data_url")
-        mime = meta[5:-7].split(";")[0].strip().lower()
-        family = mime.split("/")[0]
-        if family in ("image", "video") and family != modality:
-            raise item_error(index, f"a {mime} data URL in a {modality} item", "type_mismatch")
-        value = payload
-    elif _SCHEME.match(value[:40]):  # base64 has no ':', so this names a scheme (file:, ftp:, C:...)
-        raise item_error(index, f"{value.split(':', 1)[0]}: URLs are never read (only http(s) with "
-                                "--allow-url); send the file's bytes as base64", "url_not_allowed")
-    data = b64decode(value, index)
-    if not data:
-        raise item_error(index, f"the {modality} is empty", "empty")
-    return data, None
-
-
-def b64decode(value: str, index: int) -> bytes:
-    try:  # strict standard base64, the common case: one SIMD pass
-        return pybase64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        pass
-    text = value.translate(_WHITESPACE)
-    if "-" in text or "_" in text:
-        text = text.replace("-", "+").replace("_", "/")
-    text += "=" * (-len(text) % 4)
-    try:
-        return pybase64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        hint = ""
-        if value[:1] in ("/", "~", ".") or value[1:3] in (":\\", ":/"):
-            hint = " (it looks like a file path: the server never reads local files, send the bytes)"
-        raise item_error(index, "not valid base64 nor a data URL" + hint, "invalid_base64") from None
-
-
-def parse_json_request(body: bytes, settings: ServeSettings) -> Parsed:
-    try:
-        req = EncodeRequest.model_validate_json(body)
-    except ValidationError as exc:
-        raise pydantic_error(exc) from None
-    check_count(len(req.items), settings)
-    items = []
-    for i, it in enumerate(req.items):
-        media_field = "image" if isinstance(it, ImageItem) else "video"
-        raw = getattr(it, media_field)
-        data, url = decode_media(raw, i, it.type, settings.allow_url)
-        options = it.model_dump(exclude={"type", "image", "video", "id"}, exclude_none=True)
-        items.append(Pending(i, it.type, data, url, options, it.id))
-    check_ids(items)
-    return Parsed(items, OutputOptions(encoding_format=req.encoding_format, dtype=req.dtype,
-                                       include_deepstack=req.include_deepstack))
-
-
-def check_count(n: int, settings: ServeSettings) -> None:
-    if n > settings.max_items_per_request:
-        raise ApiError(422, "invalid_request", f"{n} items; at most {settings.max_items_per_request} per request "
-                                               "(--max-items-per-request)", "too_many_items")
-
-
-def check_ids(items: list[Pending]) -> None:
-    seen: dict[str, int] = {}
-    for it in items:
-        if it.id is None:
-            continue
-        if it.id in seen:
-            raise item_error(it.index, f"id {it.id!r} is also item {seen[it.id]}'s", "duplicate_id")
-        seen[it.id] = it.index
-
-
-VIDEO_ONLY = ("fps", "nframes", "min_frames", "max_frames", "video_start", "video_end", "total_pixels")
-
-
-@dataclass
-class Part:
-    name: str
-    filename: str | None
-    data: bytearray = field(default_factory=bytearray)
-
-
-def split_multipart(content_type: str, body: bytes, max_parts: int) -> list[Part]:
-    """multipart/form-data -> parts, in memory (the body is already size-capped)."""
-    _, params = parse_options_header(content_type)
-    boundary = params.get(b"boundary")
-    if not boundary:
-        raise ApiError(422, "invalid_request", "multipart body without a boundary", "invalid_multipart")
-    parts: list[Part] = []
-    header: dict[str, bytearray] = {"field": bytearray(), "value": bytearray()}
-    headers: dict[bytes, bytes] = {}
-
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        header["field"] += data[start:end]
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        header["value"] += data[start:end]
-
-    def on_header_end() -> None:
-        headers[bytes(header["field"]).lower()] = bytes(header["value"])
-        header["field"], header["value"] = bytearray(), bytearray()
-
-    def on_headers_finished() -> None:
-        disposition, opts = parse_options_header(headers.get(b"content-disposition", b""))
-        if disposition != b"form-data" or b"name" not in opts:
-            raise ApiError(422, "invalid_request", "a multipart part without a form-data name", "invalid_multipart")
-        if len(parts) >= max_parts:
-            raise ApiError(422, "invalid_request", f"more than {max_parts} multipart parts", "too_many_items")
-        filename = opts.get(b"filename")
-        parts.append(Part(opts[b"name"].decode("utf-8", "replace"),
-                          None if filename is None else filename.decode("utf-8", "replace")))
-        headers.clear()
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        parts[-1].data += data[start:end]
-
-    callbacks = {"on_header_field": on_header_field, "on_header_value": on_header_value,
-                 "on_header_end": on_header_end, "on_headers_finished": on_headers_finished,
-                 "on_part_data": on_part_data}
-    parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
-    try:
-        parser.write(body)
-        parser.finalize()
-    except MultipartParseError as exc:
-        raise ApiError(422, "invalid_request", f"malformed multipart body: {exc}", "invalid_multipart") from None
-    return parts
-
-
-def parse_multipart(content_type: str, body: bytes, settings: ServeSettings) -> Parsed:
-    parts = split_multipart(content_type, body, settings.max_items_per_request + 2)
-    unknown = sorted({p.name for p in parts} - {"files", "options"})
-    if unknown:
-        raise ApiError(422, "invalid_request", f"unknown multipart field(s): {', '.join(unknown)}; "
-                                               "use 'files' and 'options'", "unknown_field")
-    files = [p for p in parts if p.name == "files"]
-    if not files:
-        raise ApiError(422, "invalid_request", "no files: send each file under the field 'files'", "missing_field")
-    check_count(len(files), settings)
-    raw_options = [p for p in parts if p.name == "options"]
-    if len(raw_options) > 1:
-        raise ApiError(422, "invalid_request", "'options' must be one JSON text field", "invalid_multipart")
-    try:
-        options = MultipartOptions.model_validate_json(bytes(raw_options[0].data) if raw_options else b"{}")
-    except ValidationError as exc:
-        raise pydantic_error(exc, ("options",)) from None
-    per_file = options.items or [FileOptions() for _ in files]
-    if len(per_file) != len(files):
-        raise ApiError(422, "invalid_request", f"options.items has {len(per_file)} entries for {len(files)} files",
-                       "invalid_value")
-    items = []
-    for i, (part, opts) in enumerate(zip(files, per_file)):
-        data = bytes(part.data)
-        if not data:
-            raise item_error(i, "the file is empty", "empty")
-        modality = sniff_modality(data)
-        values = opts.model_dump(exclude={"id"}, exclude_none=True)
-        misplaced = sorted(set(values) & set(VIDEO_ONLY)) if modality == "image" else []
-        if misplaced:
-            raise item_error(i, f"option(s) {', '.join(misplaced)} apply to videos; this file is an image",
-                             "invalid_option")
-        items.append(Pending(i, modality, data, None, values, opts.id))
-    check_ids(items)
-    return Parsed(items, OutputOptions(encoding_format=options.encoding_format, dtype=options.dtype,
-                                       include_deepstack=options.include_deepstack))
-
-
-# ---- URLs (off unless --allow-url) -------------------------------------------------------------
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None  # a 3xx becomes an HTTPError: a redirect could leave the allow-list
-
-
-class UrlFetcher:
-    """http(s) GET of allow-listed hosts only: no redirects, no proxies from the environment, no
-    other schemes (the opener has no file/ftp/data handlers), size-capped, with a total timeout.
-    Blocking urllib in the worker pool keeps the server free of an HTTP-client dependency."""
-
-    def __init__(self, settings: ServeSettings, pool: Executor) -> None:
-        self.allowed = set(settings.allowed_hosts)
-        self.max_bytes = settings.max_payload_bytes
-        self.timeout = settings.url_timeout_s
-        self.pool = pool
-        self.opener = urllib.request.OpenerDirector()
-        for handler in (urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
-                        urllib.request.HTTPDefaultErrorHandler(), _NoRedirect(), urllib.request.HTTPErrorProcessor()):
-            self.opener.add_handler(handler)
-
-    def host_allowed(self, host: str) -> bool:
-        host = host.lower().rstrip(".")
-        return any(host == h or (h.startswith("*.") and host.endswith(h[1:])) for h in self.allowed)
-
-    def check(self, url: str, index: int) -> None:
-        try:
-            parts = urllib.parse.urlsplit(url)
-            host = parts.hostname or ""
-            parts.port  # noqa: B018 - raises ValueError for a bad port
-        except ValueError as exc:
-            raise item_error(index, f"invalid URL: {exc}", "invalid_url") from None
-        if parts.scheme not in ("http", "https"):
-            raise item_error(index, "only http and https URLs are fetched", "url_not_allowed")
-        if not self.host_allowed(host):
-            raise item_error(index, f"host {host!r} is not in --allowed-hosts", "url_not_allowed")
-
-    async def fetch(self, url: str, index: int) -> bytes:
-        self.check(url, index)
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(self.pool, self._get, url, index), self.timeout + 1)
-        except (asyncio.TimeoutError, TimeoutError):
-            raise self._timeout(index) from None
-
-    def _timeout(self, index: int) -> ApiError:
-        return item_error(index, f"fetching the URL took longer than {self.timeout:g}s", "fetch_timeout")
-
-    def _get(self, url: str, index: int) -> bytes:
-        deadline = time.monotonic() + self.timeout
-        request = urllib.request.Request(url, headers={"User-Agent": f"vitserve/{VERSION}"})
-        try:
-            with self.opener.open(request, timeout=self.timeout) as resp:
-                length = resp.headers.get("content-length")
-                if length and length.isdigit() and int(length) > self.max_bytes:
-                    raise item_error(index, f"the URL's content is {length} bytes, above the limit of "
-                                            f"{self.max_bytes}", "too_large")
-                data = bytearray()
-                while chunk := resp.read(1 << 16):
-                    data += chunk
-                    if len(data) > self.max_bytes:
-                        raise item_error(index, f"the URL's content is above the limit of {self.max_bytes} bytes",
-                                         "too_large")
-                    if time.monotonic() > deadline:
-                        raise self._timeout(index)
-                return bytes(data)
-        except urllib.error.HTTPError as exc:
-            raise item_error(index, f"fetching the URL returned HTTP {exc.code}", "fetch_failed") from None
-        except (OSError, http.client.HTTPException) as exc:
-            if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
-                raise self._timeout(index) from None
-            raise item_error(index, f"fetching the URL failed: {type(exc).__name__}", "fetch_failed") from None
 
 
 # ---- the service -------------------------------------------------------------------------------
@@ -553,10 +197,6 @@ def telemetry_options() -> dict[str, Any]:
         return {}
     return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
-
-def too_large(what: str, limit: int) -> ApiError:
-    return ApiError(413, "payload_too_large", f"the body {what}: the limit is {limit} bytes (--max-payload-bytes)",
-                    "payload_too_large")
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -26,7 +26,7 @@ import pybase64  # SIMD base64: an image's embedding is megabytes
 import torch
 from safetensors.torch import save
 
-from service.engine.core import ItemResult
+from service.engine.types import ItemResult
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
