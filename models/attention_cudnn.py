@@ -201,16 +201,21 @@ def _handle(device: int) -> Any:
     return handle
 
 
-def build_graph(cudnn: Any, key: PlanKey, handle: Any) -> Any:
+def offsets_dtype(backend_version: int) -> torch.dtype:
+    """64-bit ragged offsets need cuDNN 9.5; 32 bits suffice below 2^31 elements per tensor."""
+    return torch.int64 if backend_version >= 90500 else torch.int32
+
+
+def build_graph(cudnn: Any, key: PlanKey, handle: Any, offsets: torch.dtype = torch.int64) -> Any:
     """The cuDNN graph of one plan, described but not yet validated or built."""
     b, s, h, d = key.segments, key.max_seqlen, key.heads, key.head_dim
+    offsets_type = cudnn.data_type.INT64 if offsets == torch.int64 else cudnn.data_type.INT32
     io = {"bfloat16": cudnn.data_type.BFLOAT16, "float16": cudnn.data_type.HALF}[key.dtype]
     graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=handle)
 
     def bounds(uid: int, name: str) -> Any:
-        return graph.tensor(uid=uid, dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64,
-                            name=name)
+        return graph.tensor(uid=uid, dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=offsets_type, name=name)
 
     def lengths(uid: int, name: str) -> Any:
         return graph.tensor(uid=uid, dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32, name=name)
@@ -245,7 +250,8 @@ class CudnnPlan:
         self.device = torch.device("cuda", key.device)
         self.row_strides = key.row_strides
         self.handle = _handle(key.device)
-        graph = build_graph(cudnn, key, self.handle)
+        offsets = offsets_dtype(cudnn.backend_version())
+        graph = build_graph(cudnn, key, self.handle, offsets)
         graph.validate()
         graph.build_operation_graph()
         # The frontend's own Python (CuTe DSL) engines need packages not installed with it; the
@@ -258,7 +264,7 @@ class CudnnPlan:
         self.workspace = torch.empty(max(1, graph.get_workspace_size()), dtype=torch.uint8, device=self.device)
         b = key.segments
         self.seq_len = torch.zeros(b, dtype=torch.int32, device=self.device)
-        self.offsets = torch.zeros((len(self.row_strides), b + 1), dtype=torch.int64, device=self.device)
+        self.offsets = torch.zeros((len(self.row_strides), b + 1), dtype=offsets, device=self.device)
         row = {stride: self.offsets[i].data_ptr() for i, stride in enumerate(self.row_strides)}
         self.pack = {
             _SEQ_Q: self.seq_len.data_ptr(), _SEQ_KV: self.seq_len.data_ptr(),
