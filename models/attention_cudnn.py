@@ -284,7 +284,8 @@ class CudnnPlan:
         cudnn = _cudnn()
         with _lock:
             cudnn.set_stream(self.handle, stream)
-            self.graph.execute(pack, self.workspace, handle=self.handle)
+            # bare addresses throughout: the frontend then inspects no tensor (no DLPack export)
+            self.graph.execute(pack, self.workspace.data_ptr(), handle=self.handle)
         return out
 
 
