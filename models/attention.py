@@ -6,8 +6,8 @@ device tensor `cu_seqlens` (padded with repeats: zero-length segments) and a lon
 bound holds. Rows outside every segment are left unspecified.
 
 - `varlen`: torch's FlashAttention-2 varlen kernel (CUDA only): the baseline and the fallback.
-- `cudnn`: cuDNN's fused attention in its ragged layout through cudnn-frontend (models/attention_cudnn.py),
-  Hopper's fastest at head dims 72 and 80; needs the `cuda` extra.
+- `cudnn`: cuDNN's fused attention in its ragged layout through cudnn-frontend (models/attention_cudnn.py);
+  on Hopper, cuDNN runs head dims 72 and 80 well ahead of FlashAttention-2. Needs the `cuda` extra.
 - `triton`: this project's varlen flash-attention kernel (models/attention_triton.py).
 - `sdpa`: one SDPA call per segment, reading the boundaries on the host; fine on the CPU, where
   there is no graph and no sync to avoid.

@@ -47,7 +47,8 @@ try:  # the lengths-and-offsets step as one kernel; torch ops where Triton is mi
     def _ragged_metadata(cu_ptr, seq_ptr, off_ptr, n_bounds, n_slots, s0, s1, s2, s3,
                          N_STRIDES: tl.constexpr, BLOCK: tl.constexpr):
         """cu_seqlens (n_bounds values) padded with its last value to n_slots + 1 bounds ->
-        seq_len[n_slots] (int32) and offsets[N_STRIDES, n_slots + 1] = bound * stride (int64)."""
+        seq_len[n_slots] (int32) and offsets[N_STRIDES, n_slots + 1] = bound * stride (computed in
+        int64, stored in the buffer's integer type)."""
         i = tl.arange(0, BLOCK)
         last = tl.load(cu_ptr + n_bounds - 1)
         lo = tl.where(i < n_bounds, tl.load(cu_ptr + i, mask=i < n_bounds, other=0), last)

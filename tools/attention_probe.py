@@ -333,8 +333,12 @@ def cudnn_candidates(w: Workload, record) -> None:
         out = attention_cudnn.cudnn_attention(w.q, w.k, w.v, w.cu, w.max_seqlen)
         key = attention_cudnn.plan_key(w.q, w.k, w.v, w.cu, w.max_seqlen)
         plan = attention_cudnn.get_plan(key)
+        try:  # which backend engine the frontend picked (a private index: diagnostics only)
+            engine = plan.graph.get_plan_name_at_index(plan.graph._plan_index)
+        except Exception as exc:  # noqa: BLE001
+            engine = f"? ({type(exc).__name__})"
         return {"ms": cuda_ms(lambda: attention_cudnn.cudnn_attention(w.q, w.k, w.v, w.cu, w.max_seqlen)),
-                "first_call_ms": round(first, 1), "plan": f"B={key.segments} S={key.max_seqlen}",
+                "first_call_ms": round(first, 1), "plan": f"B={key.segments} S={key.max_seqlen}", "engine": engine,
                 "workspace_bytes": plan.workspace.numel(), **w.diff(out)}
 
     record(w, "cudnn", eager)
