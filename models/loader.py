@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.attention import resolve_backend
+from models.attention import check_backend_name, resolve_backend
 from models.config import ProcessorConfig
 from models.kernels import enable_triton
 from models.presets import PRESETS, Preset
@@ -68,15 +68,18 @@ def build_tower(family: str, vision_config: Any, processor: ProcessorConfig, bac
 def load_tower(
     model: str, device: str = "auto", dtype: str = "auto", attention: str = "auto", seed: int = 0
 ) -> QwenTower:
-    """`model`: a checkpoint folder or a preset name (see models/presets.py)."""
+    """`model`: a checkpoint folder or a preset name (see models/presets.py). `attention`: a
+    backend of models/attention.py, chosen once the tower's head shape is known."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    backend = resolve_backend(attention, dev)
+    check_backend_name(attention, dev)  # a bad name fails before any weight is read
     enable_triton(dev)
+    interim = "varlen" if dev.type == "cuda" else "sdpa"
     if model in PRESETS:
-        tower = _random_tower(model, PRESETS[model], dev, dt, backend, seed)
+        tower = _random_tower(model, PRESETS[model], dev, dt, interim, seed)
     else:
-        tower = _checkpoint_tower(Path(model), dev, dt, backend)
+        tower = _checkpoint_tower(Path(model), dev, dt, interim)
+    tower.set_attention(resolve_backend(attention, dev, dt, tower.heads, tower.head_dim))
     tower.name = model
     return tower.eval().requires_grad_(False)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from models.config import ProcessorConfig
 from models.kernels import add_norm
-from models.layers import Normalize, PatchEmbed, Rotary2D
+from models.layers import Attention, Normalize, PatchEmbed, Rotary2D
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
 from models.protocol import Capacity, CapacityError, Grid, TowerOutput
 
@@ -51,6 +51,17 @@ class QwenTower(nn.Module):
         """Recompute the derived (non-checkpoint) buffers, e.g. after building on the meta device."""
         self.normalize.reset()
         self.rotary.reset()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def set_attention(self, backend: str) -> None:
+        """Serve every attention layer with `backend` (see models/attention.py)."""
+        self.backend = backend
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
 
     @property
     def merge_unit(self) -> int:

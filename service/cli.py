@@ -37,8 +37,10 @@ def add_encode_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="model dtype: auto | bfloat16 | float16 | float32")
     p.add_argument("--output-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--attention", default="auto", choices=["auto", "varlen", "sdpa"],
-                   help="attention backend (auto: varlen_attn on CUDA, SDPA per segment on the CPU)")
+    # the backends of models.attention.BACKENDS (not imported here: that pulls in torch)
+    p.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn", "triton", "sdpa"],
+                   help="attention backend (auto: cuDNN when it passes its load-time check, else varlen_attn, "
+                        "on CUDA; SDPA per segment on the CPU)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--t-capture", type=int, default=8)
     p.add_argument("--eager", action="store_true", help="bypass the graph pool")

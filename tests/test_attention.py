@@ -1,0 +1,236 @@
+"""Attention backends on the CPU: backend resolution, the cuDNN backend's plan keys and ragged
+metadata, and the Triton kernels under Triton's interpreter against a float64 reference.
+
+Triton's interpreter (TRITON_INTERPRET=1) must be set before the kernels are defined, hence a
+subprocess. Its `tl.dot` misreads bfloat16 operands as integers, so the half-precision path is
+checked in float16 here and in bfloat16 on the GPU (tests/test_cuda_attention.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.attention import BACKENDS, check_backend_name, packed_attention, resolve_backend, sdpa_per_segment
+from models.attention_cudnn import fill_ragged_metadata, plan_key, ragged_metadata_torch, size_class
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def cu(lengths: list[int], slots: int | None = None) -> torch.Tensor:
+    """Boundaries of `lengths`, padded with zero-length segments up to `slots`."""
+    bounds = [0]
+    for n in lengths + [0] * ((slots or len(lengths)) - len(lengths)):
+        bounds.append(bounds[-1] + n)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def qkv_like_the_towers(rows: int, heads: int, dim: int, dtype=torch.bfloat16):
+    """q and k: views of one [rows, 2, heads, dim] rotary output; v: a view of [rows, 3, heads, dim]."""
+    gen = torch.Generator().manual_seed(0)
+    qk = torch.randn(rows, 2, heads, dim, generator=gen).to(dtype)
+    qkv = torch.randn(rows, 3, heads, dim, generator=gen).to(dtype)
+    q, k = qk.unbind(1)
+    return q, k, qkv[:, 2]
+
+
+# ---- backend resolution ---------------------------------------------------------------------------
+
+
+def test_auto_on_the_cpu_is_sdpa() -> None:
+    assert resolve_backend("auto", CPU, torch.float32) == "sdpa"
+    assert resolve_backend("sdpa", CPU) == "sdpa"
+
+
+@pytest.mark.parametrize("name", ["flash", "", "CUDNN"])
+def test_unknown_backends_are_rejected(name: str) -> None:
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_backend(name, CPU)
+
+
+@pytest.mark.parametrize("name", ["cudnn", "triton", "varlen"])
+def test_cuda_backends_on_the_cpu_say_so(name: str) -> None:
+    with pytest.raises(ValueError, match=f"'{name}' needs a CUDA device"):
+        check_backend_name(name, CPU)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_backend(name, CPU)
+
+
+def test_load_tower_rejects_a_cuda_backend_on_the_cpu_before_loading() -> None:
+    from models import load_tower
+
+    with pytest.raises(ValueError, match="'cudnn' needs a CUDA device"):
+        load_tower("tiny-qwen2-vl", device="cpu", attention="cudnn")
+
+
+def test_load_tower_sets_every_attention_layer() -> None:
+    from models import load_tower
+    from models.layers import Attention
+
+    tower = load_tower("tiny-qwen2.5-vl", device="cpu", attention="auto")
+    layers = [m for m in tower.modules() if isinstance(m, Attention)]
+    assert tower.backend == "sdpa" and layers and all(m.backend == "sdpa" for m in layers)
+    tower.set_attention("varlen")
+    assert all(m.backend == "varlen" for m in layers)
+
+
+def test_cli_offers_every_backend() -> None:
+    import argparse
+
+    from service.cli import add_encode_parser
+
+    parser = argparse.ArgumentParser()
+    add_encode_parser(parser.add_subparsers())
+    args = parser.parse_args(["encode", "x.jpg", "-o", "y", "--attention", "cudnn"])
+    assert args.attention == "cudnn"
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    choices = next(a.choices for a in sub.choices["encode"]._actions if a.dest == "attention")
+    assert tuple(choices) == BACKENDS
+
+
+def test_sdpa_per_segment_leaves_padding_segments_out() -> None:
+    q, k, v = qkv_like_the_towers(12, 2, 16, torch.float32)
+    bounds = cu([5, 0, 4], slots=5)
+    out = packed_attention("sdpa", q, k, v, bounds, 5)
+    assert torch.equal(out, sdpa_per_segment(q, k, v, bounds))
+    assert torch.equal(out[9:], torch.zeros_like(out[9:]))
+
+
+# ---- the cuDNN backend, without cuDNN -------------------------------------------------------------
+
+
+def test_size_classes_bound_the_waste() -> None:
+    classes = [size_class(n) for n in range(1, 5000)]
+    assert classes[:8] == [1, 2, 3, 4, 6, 6, 8, 8]
+    assert all(n <= c <= max(n, 1.5 * n) for n, c in zip(range(1, 5000), classes))
+    assert len(set(classes)) < 30
+    assert size_class(64) == 64 and size_class(1024) == 1024 and size_class(5184) == 6144
+
+
+def test_plan_key_follows_the_tensors_strides_and_classes() -> None:
+    q, k, v = qkv_like_the_towers(1000, 16, 80)
+    key = plan_key(q, k, v, cu([300, 0, 400], slots=5), 400)
+    assert (key.segments, key.max_seqlen, key.heads, key.head_dim, key.dtype) == (6, 512, 16, 80, "bfloat16")
+    assert key.q_strides == key.k_strides == (2 * 16 * 80, 80)
+    assert key.v_strides == (3 * 16 * 80, 80)
+    assert key.row_strides == (16 * 80, 2 * 16 * 80, 3 * 16 * 80)  # output, q and k, v
+    # the same classes share a plan whatever the boundaries or token count
+    q2, k2, v2 = qkv_like_the_towers(700, 16, 80)
+    assert plan_key(q2, k2, v2, cu([100, 200, 300, 50, 50, 0]), 450) == key
+    # other strides, dtype or head dim: another plan
+    dense = q.contiguous()
+    assert plan_key(dense, k, v, cu([1000]), 1000).q_strides == (16 * 80, 80)
+    assert plan_key(*qkv_like_the_towers(10, 16, 72), cu([10]), 10).head_dim == 72
+    assert plan_key(*qkv_like_the_towers(10, 16, 80, torch.float16), cu([10]), 10).dtype == "float16"
+
+
+def test_plan_key_rejects_what_cudnn_cannot_take() -> None:
+    q, k, v = qkv_like_the_towers(10, 2, 16)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        plan_key(q.float(), k.float(), v.float(), cu([10]), 10)
+    with pytest.raises(ValueError, match="int32"):
+        plan_key(q, k, v, cu([10]).long(), 10)
+    with pytest.raises(ValueError, match="one shape"):
+        plan_key(q, k[:5], v, cu([10]), 10)
+    with pytest.raises(ValueError, match="unit stride"):
+        plan_key(q, k, v.transpose(1, 2).contiguous().transpose(1, 2), cu([10]), 10)
+
+
+def test_ragged_metadata_from_cu_seqlens() -> None:
+    bounds = cu([5, 0, 70, 33, 0])
+    lengths, offsets = ragged_metadata_torch(bounds, 8, (1280, 2560))
+    assert lengths.dtype == torch.int32 and offsets.dtype == torch.int64
+    assert lengths.tolist() == [5, 0, 70, 33, 0, 0, 0, 0]  # capacity beyond cu_seqlens: zero-length
+    assert offsets.shape == (2, 9)
+    assert offsets[0].tolist() == [0, 6400, 6400, 96000, 138240] + [138240] * 4  # elements, not rows
+    assert torch.equal(offsets[1], offsets[0] * 2)
+    # into the plan's buffers, over stale values of a larger batch (the torch path, on the CPU)
+    seq_len = torch.full((8,), 7, dtype=torch.int32)
+    offs = torch.full((2, 9), -1, dtype=torch.int64)
+    fill_ragged_metadata(bounds, seq_len, offs, (1280, 2560))
+    assert torch.equal(seq_len, lengths) and torch.equal(offs, offsets)
+
+
+# ---- the Triton kernels, interpreted ----------------------------------------------------------------
+
+SCRIPT = r"""
+import json, torch
+from models.attention_triton import CONFIGS, split_head_dim, triton_attention
+from models.attention_cudnn import fill_ragged_metadata, ragged_metadata_torch
+
+def reference(q, k, v, bounds):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            a = (q[s:e].double().transpose(0, 1) @ k[s:e].double().permute(1, 2, 0)) / q.shape[-1] ** 0.5
+            out[s:e] = (a.softmax(-1) @ v[s:e].double().transpose(0, 1)).transpose(0, 1)
+    return out
+
+lengths = [5, 0, 70, 33, 0, 1, 0, 0]  # zero-length padding; 70 spans three 32-row blocks
+bounds = [0]
+for n in lengths:
+    bounds.append(bounds[-1] + n)
+real = bounds[-1]
+rows = real + 3  # rows outside every segment
+results = {"split": {d: split_head_dim(d) for d in (16, 64, 72, 80, 96, 128)}}
+for dtype in (torch.float32, torch.float16):
+    gen = torch.Generator().manual_seed(0)
+    for d in (64, 72, 80):
+        qk = torch.randn(rows, 2, 2, d, generator=gen).to(dtype)
+        qkv = torch.randn(rows, 3, 2, d, generator=gen).to(dtype)
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+        ref = reference(q, k, v, bounds)[:real]
+        for config in [(32, 16, 4, 1)] + (["m64_n32_w4_s2"] if d == 80 else []):
+            out = triton_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), 70, config)
+            assert out.shape == q.shape and out.dtype == dtype
+            got = out[:real].double()
+            name = f"{str(dtype).split('.')[-1]}/{d}/{config if isinstance(config, str) else 'small'}"
+            results[name] = {"max_abs": (got - ref).abs().max().item(),
+                             "rel": ((got - ref).norm() / ref.norm()).item()}
+
+cu = torch.tensor(bounds[:6], dtype=torch.int32)
+seq_len = torch.full((8,), 9, dtype=torch.int32)
+offsets = torch.full((3, 9), -1, dtype=torch.int64)
+fill_ragged_metadata(cu, seq_len, offsets, (1280, 2560, 3840))
+lengths_ref, offsets_ref = ragged_metadata_torch(cu, 8, (1280, 2560, 3840))
+results["metadata"] = torch.equal(seq_len, lengths_ref) and torch.equal(offsets, offsets_ref)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton", reason="Triton is a test dependency on x86-64 Linux (pyproject.toml)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dim", [64, 72, 80])
+def test_triton_attention_matches_float64_in_float32(interpreted: dict, dim: int) -> None:
+    result = interpreted[f"float32/{dim}/small"]
+    assert result["max_abs"] < 1e-5, result
+
+
+@pytest.mark.parametrize("name", ["float16/64/small", "float16/72/small", "float16/80/small",
+                                  "float16/80/m64_n32_w4_s2", "float32/80/m64_n32_w4_s2"])
+def test_triton_attention_half_precision_and_named_configs(interpreted: dict, name: str) -> None:
+    assert interpreted[name]["rel"] < 2e-3, interpreted[name]
+
+
+def test_head_dim_split(interpreted: dict) -> None:
+    split = {int(d): tuple(v) for d, v in interpreted["split"].items()}
+    assert split == {16: (16, 0), 64: (64, 0), 72: (64, 16), 80: (64, 16), 96: (64, 32), 128: (128, 0)}
+
+
+def test_ragged_metadata_kernel_matches_torch(interpreted: dict) -> None:
+    assert interpreted["metadata"] is True

@@ -1,0 +1,167 @@
+"""GPU only: the fast attention backends (cuDNN, Triton) against varlen_attn and against per-segment
+SDPA in float32, eagerly and inside captured CUDA graphs replayed with new boundaries, at the
+towers' head dims; then whole towers served by them through the graph pool.
+
+Run on the GPU machine: `pytest -m cuda tests/test_cuda_attention.py`. A backend that cannot run
+there (cudnn-frontend not installed) is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention import check_backend, packed_attention, resolve_backend, sdpa_per_segment
+
+pytestmark = pytest.mark.cuda
+DEV = torch.device("cuda")
+FAST = ["cudnn", "triton"]
+HEADS = 16
+
+
+def need(backend: str) -> None:
+    if backend == "cudnn":
+        from models import attention_cudnn
+
+        reason = attention_cudnn.available()
+    else:
+        from models import attention_triton
+
+        reason = None if attention_triton.HAVE_TRITON else "Triton is not installed"
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bounds_of(lengths: list[int], slots: int) -> list[int]:
+    out = [0]
+    for n in lengths + [0] * (slots - len(lengths)):
+        out.append(out[-1] + n)
+    return out
+
+
+def inputs(rows: int, dim: int, seed: int = 0):
+    """q, k as views of one [rows, 2, heads, dim] tensor and v of a [rows, 3, heads, dim] one, as the
+    towers hand them over."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    qk = torch.randn(rows, 2, HEADS, dim, device=DEV, generator=gen).bfloat16()
+    qkv = torch.randn(rows, 3, HEADS, dim, device=DEV, generator=gen).bfloat16()
+    return qk[:, 0], qk[:, 1], qkv[:, 2]
+
+
+def references(q, k, v, bounds: list[int], max_seqlen: int):
+    """(varlen_attn in bf16, SDPA per segment in float32) over the rows inside segments."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
+    real = bounds[-1]
+    fast = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen)[:real]
+    exact = sdpa_per_segment(q.float(), k.float(), v.float(), cu)[:real]
+    return fast, exact
+
+
+# Layouts of one capacity (12 segments, 4096 rows, longest 1024): ragged with zero-length padding,
+# the same total with other boundaries, and a small batch after the large ones.
+SLOTS, ROWS, MAX = 12, 4096, 1024
+LAYOUTS = [
+    [1024, 0, 77, 512, 1, 300, 0, 999, 64],
+    [64, 64, 1000, 9, 233, 17, 1000, 600, 0, 0, 0, 990],
+    [100],
+]
+
+
+@pytest.mark.parametrize("dim", [80, 72])
+@pytest.mark.parametrize("backend", FAST)
+def test_eager_matches_varlen_and_float32(backend: str, dim: int) -> None:
+    need(backend)
+    q, k, v = inputs(ROWS, dim)
+    for lengths in LAYOUTS:
+        bounds = bounds_of(lengths, SLOTS)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
+        got = packed_attention(backend, q, k, v, cu, MAX)[: bounds[-1]]
+        fast, exact = references(q, k, v, bounds, MAX)
+        assert torch.isfinite(got).all()
+        assert rel(got, exact) < max(1e-2, 2 * rel(fast, exact)), (lengths, rel(got, exact), rel(fast, exact))
+        assert rel(got, fast) < 1e-2, (lengths, rel(got, fast))
+
+
+@pytest.mark.parametrize("dim", [80, 72])
+@pytest.mark.parametrize("backend", FAST)
+def test_captured_graph_reads_new_boundaries(backend: str, dim: int) -> None:
+    """One capture, replayed over layouts with equal totals but other boundaries, then a small batch
+    after the large ones (the capacity padded with zero-length segments): each replay must match
+    eager varlen_attn on its own boundaries."""
+    need(backend)
+    q, k, v = inputs(ROWS, dim, seed=1)
+    cu = torch.tensor(bounds_of(LAYOUTS[0], SLOTS), dtype=torch.int32, device=DEV)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        packed_attention(backend, q, k, v, cu, MAX)  # plans and compilation happen outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = packed_attention(backend, q, k, v, cu, MAX)
+    for lengths in LAYOUTS + LAYOUTS[:1]:
+        bounds = bounds_of(lengths, SLOTS)
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out[: bounds[-1]].clone()
+        fast, exact = references(q, k, v, bounds, MAX)
+        assert rel(got, fast) < 1e-2, (lengths, rel(got, fast))
+        assert rel(got, exact) < max(1e-2, 2 * rel(fast, exact))
+        eager = packed_attention(backend, q, k, v, cu, MAX)[: bounds[-1]]
+        assert torch.equal(got, eager), lengths  # the same kernel on the same data: bit-identical
+
+
+@pytest.mark.parametrize("dim", [80, 72, 64])
+def test_load_time_check(dim: int) -> None:
+    for backend in FAST:
+        err, reason = check_backend(backend, DEV, torch.bfloat16, HEADS, dim)
+        print(f"{backend} head dim {dim}: relative difference to varlen_attn {err:.2e} {reason}")
+    from models import attention_cudnn
+
+    if attention_cudnn.available() is None:
+        assert check_backend("cudnn", DEV, torch.bfloat16, HEADS, dim)[0] < 1e-2
+        assert resolve_backend("auto", DEV, torch.bfloat16, HEADS, dim) == "cudnn"
+    else:
+        assert resolve_backend("auto", DEV, torch.bfloat16, HEADS, dim) == "varlen"
+    assert resolve_backend("auto", DEV, torch.float32, HEADS, dim) == "varlen"  # no fp32 kernels
+
+
+@pytest.mark.parametrize("model", ["random:qwen2.5-vl-7b", "random:qwen3-vl-8b"])
+@pytest.mark.parametrize("backend", FAST)
+def test_tower_graphs_with_backend(backend: str, model: str) -> None:
+    """A whole tower served by the backend through captured graphs (Qwen2.5-VL: windows of up to 64
+    patches with smaller edge windows) stays as close to float32 as the varlen_attn eager forward."""
+    need(backend)
+    from graphs.runner import GraphRunner, plan_for
+    from models import load_tower
+    from tests.test_cuda_graphs import float32_copy, make_items, rel_err
+
+    tower = load_tower(model, device="cuda", dtype="bfloat16", attention=backend)
+    assert tower.backend == backend
+    plan = plan_for(tower, max_batch_tokens=1024)
+    runner = GraphRunner(tower, DEV, plan, modalities=("image",))
+    runner.capture()
+    assert not runner.pool.failed, runner.pool.failed
+    exact = GraphRunner(float32_copy(tower), DEV, plan, use_graphs=False)
+    m = tower.merge
+    batches = [[(1, 16 * m, 12 * m), (1, 6 * m, 9 * m)], [(1, 9 * m, 7 * m)] * 3, [(1, 4 * m, 4 * m)]]
+    for seed, grids in enumerate(batches):
+        items = make_items(tower, grids, 30 + seed)
+        outs = runner.encode(items)
+        for item, out in zip(items, outs):
+            ref = exact.eager(item.pixels, [item.grid_thw]).embeds
+            tower.set_attention("varlen")
+            baseline = runner.eager(item.pixels, [item.grid_thw]).embeds
+            tower.set_attention(backend)
+            err, base = rel_err(out.embeds, ref), rel_err(baseline, ref)
+            print(f"{model} {backend} {item.grid_thw}: {err:.2e} (varlen eager {base:.2e})")
+            assert err <= max(1e-2, 2 * base)
+    del runner, exact
+    torch.cuda.empty_cache()
