@@ -24,7 +24,8 @@
 #   VITSERVE_MAX_CONCURRENT_REQUESTS  in-flight request bound; 512
 #   VITSERVE_MAX_BATCH_ITEMS          images/videos in one batch
 #   VITSERVE_MAX_ITEMS_PER_REQUEST    images/videos in one request; 64
-#   VITSERVE_PREPROCESS_WORKERS       CPU workers decoding and preprocessing media
+#   VITSERVE_PREPROCESS_WORKERS       worker processes decoding media and encoding responses
+#   VITSERVE_WORKER_MAX_RSS_MIB       memory a worker may use on one item; 4096
 #   VITSERVE_MAX_PAYLOAD_BYTES        request body limit; 64 MiB
 #   VITSERVE_REQUEST_TIMEOUT_S        per-request timeout, also the drain deadline on SIGTERM; 60
 #   VITSERVE_API_KEY                  API key; a secret: use --env-file, not the command line

@@ -1,14 +1,17 @@
-"""Greedy token-budget packing of pending items into batches, each bound for one graph or eager.
+"""The batching policy: greedy token-budget packing of pending items into batches, and for each batch
+whether it replays a graph or runs eagerly. Pure and deterministic: the same items, plan and costs
+always give the same batches. The server's batcher and the offline runner both call `pack`.
 
 Items are grouped by (modality, length class), taken smallest first, and added to the open batch
 while its tokens stay within the largest budget and its item count within the limit. Each batch
 then replays in the smallest budget that holds it. Items no graph can hold run eagerly, alone.
 
 A replay costs its whole budget, so a batch just over a budget (nine 256-token images in a 4096
-budget) wastes nearly half of it. Given the fixed cost of one replay (`replay_overhead`, in tokens of
-GPU time, measured by `GraphRunner.calibrate`), a batch is split into parts that fill smaller budgets
-when their budgets plus one overhead each cost less than the one padded replay: nine images become a
-2048 and a 256 replay. Pure and deterministic: the same items always give the same batches.
+budget) wastes nearly half of it. Given the engine's measured costs (`CostModel`, from
+`GraphRunner.calibrate`), a batch is split into parts that fill smaller budgets when their budgets plus
+one replay overhead each cost less than the one padded replay (nine images become a 2048 and a 256
+replay), and a batch still mostly padding runs eagerly when that costs less than its replay (reason
+"padding"). A batch whose graph failed to capture runs eagerly too ("capture_failed").
 """
 
 from __future__ import annotations
@@ -29,13 +32,31 @@ class PackItem:
 
 @dataclass
 class Batch:
-    """`key` None: eager, with `reason`. `items`: indices into the packed sequence."""
+    """`reason` set: runs eagerly (`key` is the graph it would have used, if any). `items`: indices
+    into the packed sequence."""
 
     key: GraphKey | None
     items: list[int] = field(default_factory=list)
     tokens: int = 0
     segments: int = 0
     reason: str | None = None
+
+    @property
+    def replays(self) -> bool:
+        return self.reason is None and self.key is not None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """One engine's costs, measured at start-up: what a replay costs beyond its budget's GPU time, in
+    tokens of GPU time, and below how many patches an eager forward costs its kernel launches rather
+    than its arithmetic. Eager costs max(patches, launch_bound_patches); a replay its budget's patches."""
+
+    replay_overhead_tokens: float
+    launch_bound_patches: float = float("inf")
+
+
+PADDING_MARGIN = 0.95  # eager must beat the replay by 5%: the graph wins ties
 
 
 def eager_reason(item: PackItem, plan: BudgetPlan) -> str | None:
@@ -49,11 +70,11 @@ def eager_reason(item: PackItem, plan: BudgetPlan) -> str | None:
     return None
 
 
-def smallest_budget(plan: BudgetPlan, tokens: int) -> int:
-    return next(b for b in plan.budgets if b >= tokens)
-
-
-def pack(items: Sequence[PackItem], plan: BudgetPlan, replay_overhead: float | None = None) -> list[Batch]:
+def pack(items: Sequence[PackItem], plan: BudgetPlan, cost: CostModel | None = None,
+         failed: frozenset[GraphKey] | set[GraphKey] = frozenset()) -> list[Batch]:
+    """Batches of `items` (indices into it), each with its graph key or its eager reason. Without a
+    `cost` (the CPU, or before calibration) batches are never split nor sent eagerly for padding."""
+    replay_overhead = cost.replay_overhead_tokens if cost else None
     batches: list[Batch] = []
     groups: dict[tuple[str, int], list[int]] = {}
     for i, item in enumerate(items):
@@ -83,7 +104,23 @@ def pack(items: Sequence[PackItem], plan: BudgetPlan, replay_overhead: float | N
             segments += item.segments
         if open_batch:
             batches += group.close(open_batch)
+    for batch in batches:
+        if batch.key is not None and batch.reason is None:
+            batch.reason = eager_instead(batch, plan, cost, failed)
     return batches
+
+
+def eager_instead(batch: Batch, plan: BudgetPlan, cost: CostModel | None,
+                  failed: frozenset[GraphKey] | set[GraphKey]) -> str | None:
+    """Why a batch that fits a graph should run eagerly anyway, or None to replay it."""
+    assert batch.key is not None
+    if batch.key in failed:
+        return "capture_failed"
+    if cost is not None:
+        patches = batch.tokens * plan.merge_unit
+        if max(patches, cost.launch_bound_patches) < PADDING_MARGIN * plan.capacity(batch.key).patches:
+            return "padding"
+    return None
 
 
 @dataclass

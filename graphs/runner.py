@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from graphs.budgets import BudgetPlan
-from graphs.packing import Batch, PackItem, pack
+from graphs.packing import Batch, CostModel, PackItem, pack
 from graphs.pool import GraphPool
 from graphs.stats import PoolStats
 from models.config import VisualInput
@@ -50,9 +50,11 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
 
 
 class GraphRunner:
+    """One tower on one device: its graph pool, the eager fallback and the measured costs. `run` executes
+    a batch as `pack` routed it; `encode` packs and runs a list of items (the offline entry point)."""
+
     def __init__(self, tower: VisionTower, device: torch.device, plan: BudgetPlan, use_graphs: bool = True,
-                 modalities: tuple[str, ...] = ("image", "video"), video_chunking: bool = False,
-                 eager_when_cheaper: bool = True) -> None:
+                 modalities: tuple[str, ...] = ("image", "video"), video_chunking: bool = False) -> None:
         self.tower = tower
         self.device = device
         self.plan = plan
@@ -63,15 +65,13 @@ class GraphRunner:
         self.modalities = modalities
         self.stats = PoolStats()
         self.pool = GraphPool(tower, device, plan, self.stats)
-        # Eager runs below this many patches are bound by kernel launches, not the GPU; set by calibrate().
-        # Until then (and on the CPU, where nothing is saved by a graph) every batch that fits replays.
-        self.launch_bound_patches = float("inf")
-        # Off in the server: there the engine thread shares the GIL with request handling, and an
-        # eager forward's thousand-odd launches wait on it (3x slower under load on an H200), while a
-        # replay is one call. Measured once at start-up, eager looks cheaper than it will be.
-        self.eager_when_cheaper = eager_when_cheaper
-        # The fixed cost of one replay in tokens of GPU time (calibrate()); None: never split a batch.
-        self.replay_overhead_tokens: float | None = None
+        # Measured by calibrate() on CUDA; None (the CPU, before calibration): never split nor pad-route.
+        self.cost: CostModel | None = None
+
+    @property
+    def width(self) -> int:
+        """Columns of a joined output row: the main embedding, then each DeepStack level."""
+        return self.tower.out_hidden_size * (1 + self.tower.num_deepstack)
 
     def capture(self) -> None:
         if self.use_graphs:
@@ -80,13 +80,9 @@ class GraphRunner:
                 self.calibrate()
 
     def calibrate(self) -> None:
-        """Measure what a replay costs beyond its budget's GPU time, and when padding costs more than
-        launches. A replay costs its whole budget's GPU time plus a fixed overhead (host work,
-        copies, a small batch's idle GPU), which the packing weighs when it splits a batch across
-        budgets. An eager run costs the larger of its own patches' GPU time and the time to launch
-        its kernels (a constant: a small eager forward measures it). In patches: replay costs the
-        budget, eager costs max(patches, launch_bound_patches). With `eager_when_cheaper`, batches
-        where eager is cheaper run eagerly (reason "padding"); everything else replays."""
+        """Measure what a replay costs beyond its budget's GPU time, and when an eager forward costs its
+        launches rather than its arithmetic (see `CostModel`). A small eager forward measures the launch
+        cost; a full batch replayed measures the GPU time per patch; a small replay, the fixed overhead."""
         merge = self.tower.merge
         side = 16 * merge  # a 32x32-patch frame, a typical mid-sized image
         pixels = np.random.default_rng(0).integers(0, 256, (side * side, self.tower.processor.patch_dim), np.uint8)
@@ -107,68 +103,56 @@ class GraphRunner:
             return best
 
         stats = self.stats.as_dict()
-        graph_small = timed(lambda: self._run(small, force_eager=False))
-        eager_small = timed(lambda: self._run(small, force_eager=True))
+        self.cost = None
+        graph_small = timed(lambda: self._run_all(small, force_eager=False))
+        eager_small = timed(lambda: self._run_all(small, force_eager=True))
         big_batches = self.pack_items(big)
-        graph_big = timed(lambda: self._run(big, force_eager=False), reps=3)
+        graph_big = timed(lambda: self._run_all(big, force_eager=False), reps=3)
         budget_patches = sum(b.key.budget for b in big_batches if b.key) * self.plan.merge_unit
         per_patch = graph_big / max(budget_patches, 1)
-        self.launch_bound_patches = eager_small / per_patch if per_patch > 0 else float("inf")
         small_key = self.pack_items(small)[0].key
         if per_patch > 0 and small_key is not None:
             per_token = per_patch * self.plan.merge_unit
-            self.replay_overhead_tokens = max(0.0, graph_small / per_token - small_key.budget)
+            self.cost = CostModel(replay_overhead_tokens=max(0.0, graph_small / per_token - small_key.budget),
+                                  launch_bound_patches=eager_small / per_patch)
         self.stats.reset_to(stats)  # calibration runs are not traffic
-        log.info("calibration: small batch %.2f ms eager, %.2f ms replayed; %.3f us per patch: eager is launch-bound "
-                 "below %d patches%s; a replay's fixed cost is %s tokens", eager_small * 1e3, graph_small * 1e3,
-                 per_patch * 1e6, self.launch_bound_patches, "" if self.eager_when_cheaper else " (not used)",
-                 "unknown" if self.replay_overhead_tokens is None else f"{self.replay_overhead_tokens:.0f}")
+        log.info("calibration: small batch %.2f ms eager, %.2f ms replayed; %.3f us per patch; %s", eager_small * 1e3,
+                 graph_small * 1e3, per_patch * 1e6, self.cost)
 
-    def _run(self, items: Sequence[VisualInput], force_eager: bool) -> list[ItemOutput]:
-        outs = []
+    def _run_all(self, items: Sequence[VisualInput], force_eager: bool) -> None:
         for batch in self.pack_items(items):
             if force_eager:
                 batch.reason = "calibration"
-            outs += self.run_batch(batch, [items[i] for i in batch.items])
-        return outs
+            self.run(batch, [items[i] for i in batch.items])
 
     def pack_items(self, items: Sequence[VisualInput]) -> list[Batch]:
-        return pack([self.pack_item(it) for it in items], self.plan, self.replay_overhead_tokens)
+        return pack([to_pack_item(it, self.plan) for it in items], self.plan, self.cost, set(self.pool.failed))
 
-    def pack_item(self, item: VisualInput) -> PackItem:
-        return to_pack_item(item, self.plan)
-
-    def run_batch(self, batch: Batch, items: Sequence[VisualInput]) -> list[ItemOutput]:
-        """Run one packed batch; `items` are the batch's own items, in `batch.items` order."""
+    def run(self, batch: Batch, items: Sequence[VisualInput]) -> torch.Tensor:
+        """Run one packed batch (`items`: its own items, in `batch.items` order). Returns the joined output
+        rows [tokens, width] of all its items, on the device; a replay's rows are a view of the graph's
+        static output, valid until the next replay: copy them out (on this stream) before running again."""
         if batch.reason in ("t_capture", "over_budget") and self.chunkable(items[0]):
-            return [self.encode_chunked(items[0])]
+            return self.encode_chunked(items[0])
         grids = [it.grid_thw for it in items]
         pixels = concat_pixels([it.pixels for it in items], pin=self.device.type == "cuda")
-        reason = batch.reason or self.eager_reason(batch, grids)
+        reason = batch.reason
+        if reason is None and not self.use_graphs:
+            reason = "graphs_disabled"
+        if reason is None and batch.key not in self.pool.graphs:
+            reason = "capture_failed" if batch.key in self.pool.failed else "no_graph"
         if reason is None:
             try:
-                out = self.pool.replay(batch.key, pixels, grids)
+                return self.pool.replay(batch.key, pixels, grids)  # type: ignore[arg-type]
             except CapacityError:  # e.g. more Qwen2.5-VL windows than the class holds; nothing ran yet
                 reason = "layout_capacity"
-        if reason is not None:
-            out = self.eager(pixels, grids)
-            self.stats.record_eager(reason, len(items))
-        return split(out, [it.num_patches // self.plan.merge_unit for it in items])
+        self.stats.record_eager(reason, len(items))
+        return joined(self.eager(pixels, grids))
 
-    def eager_reason(self, batch: Batch, grids: list) -> str | None:
-        """Why a packed batch cannot (or should not) replay its graph, or None to replay."""
-        if not self.use_graphs:
-            return "graphs_disabled"
-        if batch.key in self.pool.failed:
-            return "capture_failed"
-        graph = self.pool.graphs.get(batch.key)
-        if graph is None:
-            return "no_graph"
-        patches = sum(t * h * w for t, h, w in grids)
-        eager_cost = max(patches, self.launch_bound_patches)
-        if self.eager_when_cheaper and eager_cost < 0.95 * graph.capacity.patches:  # 5%: the graph wins ties
-            return "padding"
-        return None
+    def run_batch(self, batch: Batch, items: Sequence[VisualInput]) -> list[ItemOutput]:
+        """`run`, split into each item's own output tensors (copies: they outlive the next replay)."""
+        rows = self.run(batch, items)
+        return split(rows, [it.num_patches // self.plan.merge_unit for it in items], self.tower.out_hidden_size)
 
     def eager(self, pixels: np.ndarray | torch.Tensor, grids: list) -> TowerOutput:
         cap = self.tower.required_capacity(grids)
@@ -184,16 +168,20 @@ class GraphRunner:
         return (self.video_chunking and self.use_graphs and item.modality == "video" and t > 1
                 and chunk_tokens <= self.plan.max_budget)
 
-    def encode_chunked(self, video: VisualInput) -> ItemOutput:
+    def encode_chunked(self, video: VisualInput) -> torch.Tensor:
         """One long video as chunks of t_capture temporal patches (rows are t-major), re-joined."""
         t, h, w = video.grid_thw
         rows, step = h * w, self.plan.t_capture
         chunks = [VisualInput("video", video.pixels[s * rows:(s + min(step, t - s)) * rows], (min(step, t - s), h, w))
                   for s in range(0, t, step)]
-        outs = self.encode(chunks)
+        parts: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
+        for batch in self.pack_items(chunks):
+            own = [chunks[i] for i in batch.items]
+            rows = self.run(batch, own).clone()  # out of the static output before the next replay
+            for i, part in zip(batch.items, rows.split([c.num_patches // self.plan.merge_unit for c in own])):
+                parts[i] = part
         self.stats.record_chunked(len(chunks))
-        deepstack = [torch.cat([o.deepstack[j] for o in outs]) for j in range(len(outs[0].deepstack))]
-        return ItemOutput(torch.cat([o.embeds for o in outs]), deepstack)
+        return torch.cat(parts)
 
     def encode(self, items: Sequence[VisualInput]) -> list[ItemOutput]:
         """All items, packed and run; results in the caller's order."""
@@ -210,11 +198,6 @@ def to_pack_item(item: VisualInput, plan: BudgetPlan) -> PackItem:
     return PackItem(item.num_patches // plan.merge_unit, item.modality, t, h * w)
 
 
-def pack_inputs(items: Sequence[VisualInput], plan: BudgetPlan, replay_overhead: float | None = None) -> list[Batch]:
-    """What `GraphRunner.pack_items` does, from the plan alone (a multi-engine server packs in its front)."""
-    return pack([to_pack_item(it, plan) for it in items], plan, replay_overhead)
-
-
 def concat_pixels(parts: list, pin: bool = False) -> np.ndarray | torch.Tensor:
     """Items' pixel rows back to back; device tensors stay on the device. Host arrays stay on the
     host, written straight into page-locked memory with `pin` (one copy, and the upload that follows
@@ -222,14 +205,24 @@ def concat_pixels(parts: list, pin: bool = False) -> np.ndarray | torch.Tensor:
     if isinstance(parts[0], torch.Tensor):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     if not pin:
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(parts) > 1:
+            return np.concatenate(parts)
+        return parts[0] if parts[0].flags.writeable else parts[0].copy()  # torch wants writable arrays
     rows = sum(len(p) for p in parts)
     staged = torch.empty((rows, *parts[0].shape[1:]), dtype=torch.from_numpy(parts[0][:0]).dtype, pin_memory=True)
     np.concatenate(parts, out=staged.numpy())
     return staged
 
 
-def split(out: TowerOutput, tokens: list[int]) -> list[ItemOutput]:
-    embeds = out.embeds.split(tokens)
-    deepstack = [d.split(tokens) for d in out.deepstack]
-    return [ItemOutput(e, [d[i] for d in deepstack]) for i, e in enumerate(embeds)]
+def joined(out: TowerOutput) -> torch.Tensor:
+    """The main embedding and each DeepStack level side by side: [tokens, out_hidden * (1 + levels)]."""
+    return torch.cat([out.embeds, *out.deepstack], dim=-1) if out.deepstack else out.embeds
+
+
+def split(rows: torch.Tensor, tokens: list[int], hidden: int) -> list[ItemOutput]:
+    """Each item's own copies of its main embedding and DeepStack levels out of joined rows."""
+    out = []
+    for part in rows.split(tokens):
+        levels = [part[:, j:j + hidden].clone() for j in range(0, part.shape[1], hidden)]
+        out.append(ItemOutput(levels[0], levels[1:]))
+    return out

@@ -114,16 +114,17 @@ class Metrics:
         self.gpu_seconds = Histogram("vitserve_gpu_duration_seconds",
                                      "Time of one batch on the device, results copied to the host",
                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_items = Gauge("vitserve_queue_items", "Items waiting for the engine", registry=r)
-        self.queue_tokens = Gauge("vitserve_queue_tokens", "Merged tokens waiting for the engine", registry=r)
+        self.queue_items = Gauge("vitserve_queue_items", "Items ready and waiting for an engine", registry=r)
+        self.queue_tokens = Gauge("vitserve_queue_tokens", "Merged tokens admitted and not yet on an engine "
+                                  "(estimated before decoding; the bound of --max-queued-tokens)", registry=r)
         self.inflight = Gauge("vitserve_requests_in_flight", "Requests being served", registry=r)
         self.batch_tokens = Histogram("vitserve_batch_tokens", "Merged tokens per batch",
                                       buckets=TOKEN_BUCKETS, registry=r)
         self.batch_items = Histogram("vitserve_batch_items", "Items per batch", buckets=ITEM_BUCKETS, registry=r)
         self.items = Counter("vitserve_items", "Items encoded, by modality", ["modality"], registry=r)
         self.tokens = Counter("vitserve_tokens", "Merged tokens encoded", registry=r)
-        self.cancelled = Counter("vitserve_cancelled_items", "Queued items dropped (client gone or timed out)",
-                                 registry=r)
+        self.cancelled = Counter("vitserve_cancelled_items", "Items whose request went away (client gone or timed "
+                                 "out): dropped from the queue, or their result discarded", registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the server accepts work", registry=r)
         self._pool_stats: StatsSource | None = None
         r.register(PoolCollector(lambda: self._pool_stats))

@@ -25,7 +25,8 @@ CHUNKING_ON = {"on", "true", "1", "yes"}
 
 
 def default_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """Worker processes: the cores but two (the event loop and an engine), at least two, at most 16."""
+    return max(2, min(16, (os.cpu_count() or 1) - 2))
 
 
 def _split_list(value: Any) -> Any:
@@ -75,6 +76,7 @@ class ServeSettings(BaseModel):
     max_batch_items: int | None = Field(None, ge=1)
     max_items_per_request: int = Field(64, ge=1)
     preprocess_workers: int = Field(default_factory=default_workers, ge=1)
+    worker_max_rss_mib: int = Field(4096, ge=64)
     allow_url: bool = False
     allowed_hosts: list[str] = Field(default_factory=list)
     url_timeout_s: float = Field(10.0, gt=0)

@@ -101,6 +101,20 @@ class ServerThread:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60), **kwargs)
 
 
+def slow_engine(monkeypatch: Any, seconds: float) -> None:
+    """Every batch of the in-process engines waits `seconds` before it runs (for admission, timeout and
+    drain tests: work stays in flight)."""
+    from service.engine import executor
+
+    start = executor.BatchExecutor.start
+
+    def slow_start(self: Any, job: Any) -> Any:
+        time.sleep(seconds)
+        return start(self, job)
+
+    monkeypatch.setattr(executor.BatchExecutor, "start", slow_start)
+
+
 def wait_ready(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -118,17 +132,21 @@ def wait_ready(url: str, timeout: float = 120, proc: subprocess.Popen | None = N
 class SubprocessServer:
     """`python -m service.http.server` in its own process (for signals), on a free loopback port."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None, model: str | None = "tiny-qwen2-vl") -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, model: str | None = "tiny-qwen2-vl",
+                 batch_delay_ms: float = 0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         defaults = ["--device", "cpu", "--dtype", "float32", "--max-batch-tokens", "1024",
                     "--preprocess-workers", "2", "--log-level", "info", "--host", "127.0.0.1"]
         if model is not None:
             defaults += ["--model", model]
-        self.cmd = [sys.executable, "-m", "service.http.server", *defaults, "--port", str(self.port), *flags]
+        # A slow engine is a test-only launcher, never a server flag (tests/hooks/slow_server.py).
+        module = "tests.hooks.slow_server" if batch_delay_ms else "service.http.server"
+        self.cmd = [sys.executable, "-m", module, *defaults, "--port", str(self.port), *flags]
         # Only this test's VITSERVE_* variables reach the server.
         base = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-        self.env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", **(env or {})}
+        self.env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", **(env or {}),
+                    "VITSERVE_TEST_BATCH_DELAY_MS": str(batch_delay_ms)}
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> SubprocessServer:

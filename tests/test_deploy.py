@@ -62,6 +62,7 @@ SERVE_FLAGS = [
     "max-batch-items",
     "max-items-per-request",
     "preprocess-workers",
+    "worker-max-rss-mib",
     "max-payload-bytes",
     "request-timeout-s",
     "api-key",

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
-from service.engine.types import ItemResult
 from service.handoff.ec_storage import FILE_NAME, TENSOR_KEY, ECSharedStorage, id_problem
 from service.http import encoders
+from service.workers.jobs import ItemView as ItemResult
 
 
 def result(index=0, modality="image", tokens=6, hidden=8, layers=0, dtype=torch.float32, item_id=None, meta=None):

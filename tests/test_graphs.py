@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphs.budgets import BudgetError, BudgetPlan, GraphKey, auto_budgets
-from graphs.packing import PackItem, pack
+from graphs.packing import CostModel, PackItem, pack
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
 
@@ -74,7 +74,8 @@ def replay_cost(batches, overhead):
        st.sampled_from([None, 0.0, 48.0, 1000.0]))
 def test_packing_properties(items, max_tokens, max_items, overhead):
     plan = BudgetPlan.create(max_batch_tokens=max_tokens, max_items=min(max_items, 64))
-    batches = pack(items, plan, overhead)
+    cost = None if overhead is None else CostModel(overhead)
+    batches = pack(items, plan, cost)
     seen = sorted(i for b in batches for i in b.items)
     assert seen == list(range(len(items)))  # every item exactly once
     for b in batches:
@@ -92,7 +93,7 @@ def test_packing_properties(items, max_tokens, max_items, overhead):
         smaller = [x for x in plan.budgets if x < b.key.budget and b.key.length_class in plan.length_classes(x)]
         assert all(x < b.tokens or plan.capacity(GraphKey(b.key.modality, x, b.key.length_class)).segments
                    < b.segments for x in smaller)  # the smallest budget that holds it
-    assert [(b.key, b.items) for b in pack(items, plan, overhead)] == [(b.key, b.items) for b in batches]
+    assert [(b.key, b.items) for b in pack(items, plan, cost)] == [(b.key, b.items) for b in batches]
     if overhead is not None:  # splitting never costs more than the padded batches it replaces
         assert replay_cost(batches, overhead) <= replay_cost(pack(items, plan), overhead)
 
@@ -107,7 +108,7 @@ def test_packing_properties(items, max_tokens, max_items, overhead):
 def test_a_batch_just_over_a_budget_is_split_when_that_costs_less(count, overhead, budgets):
     plan = BudgetPlan.create(max_batch_tokens=16384)
     items = [PackItem(256, "image", 1, 1024)] * count
-    batches = pack(items, plan, overhead)
+    batches = pack(items, plan, None if overhead is None else CostModel(overhead))
     assert [b.key.budget for b in batches] == budgets
     assert sorted(i for b in batches for i in b.items) == list(range(count))
 
@@ -152,37 +153,32 @@ def test_results_come_back_in_caller_order_and_match_eager(runner):
 
 def test_split_batches_match_eager(runner):
     items = make_items(runner.tower, [(1, 8, 8)] * 8 + [(1, 4, 8), (1, 12, 8)], seed=3)  # 136 + 24 tokens
-    runner.replay_overhead_tokens = 0.0
+    runner.cost = CostModel(replay_overhead_tokens=0.0)
     try:
         batches = runner.pack_items(items)
         outs = runner.encode(items)
     finally:
-        runner.replay_overhead_tokens = None
+        runner.cost = None
     assert len(batches) > len(runner.pack_items(items))  # the overhead made the packing split
     for item, out in zip(items, outs):
         assert rel_err(out.embeds, solo(runner, item).embeds) < 1e-5
 
 
-def test_padding_rule_only_where_asked(runner):
+def test_padding_rule_sends_mostly_padded_batches_eagerly(runner):
     items = make_items(runner.tower, [(1, 8, 8)] * 3)  # 48 tokens in a 64-token graph
-    batch = runner.pack_items(items)[0]
-    grids = [it.grid_thw for it in items]
-    saved = runner.launch_bound_patches, runner.eager_when_cheaper
+    assert runner.pack_items(items)[0].reason is None  # no measured costs (the CPU): every batch replays
+    runner.cost = CostModel(replay_overhead_tokens=0.0, launch_bound_patches=0)  # eager costs its patches only
     try:
-        runner.launch_bound_patches = 0  # as if eager cost nothing beyond its own patches
-        runner.eager_when_cheaper = True
-        assert runner.eager_reason(batch, grids) == "padding"
-        runner.eager_when_cheaper = False  # the server's runner: every batch a graph holds replays
-        assert runner.eager_reason(batch, grids) is None
+        batch = runner.pack_items(items)[0]
+        assert (batch.reason, batch.key.budget) == ("padding", 64)
+        eager_before = runner.stats.eager_items["padding"]
+        for it, out in zip(items, runner.encode(items)):
+            assert rel_err(out.embeds, solo(runner, it).embeds) < 1e-5
+        assert runner.stats.eager_items["padding"] == eager_before + 3
+        full = make_items(runner.tower, [(1, 8, 8)] * 4)  # 64 tokens: the graph is full, it replays
+        assert runner.pack_items(full)[0].reason is None
     finally:
-        runner.launch_bound_patches, runner.eager_when_cheaper = saved
-
-
-def test_the_servers_runner_never_pads_eagerly():
-    from service.engine.loading import build_runner
-    from tests.http_helpers import settings
-
-    assert build_runner(settings(max_batch_tokens=256)).eager_when_cheaper is False
+        runner.cost = None
 
 
 def test_equal_tokens_different_boundaries_share_a_graph_and_stay_right(runner):
@@ -225,11 +221,18 @@ def test_injected_capture_failure_is_served_eagerly():
     tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
     r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=128), modalities=("image",))
     broken = GraphKey("image", 64, 64)
-    r.pool.fail_capture_for.add(broken)
+    capture_one = r.pool._capture_one
+
+    def failing(key, cap):
+        if key == broken:
+            raise RuntimeError("injected capture failure")
+        return capture_one(key, cap)
+
+    r.pool._capture_one = failing
     r.capture()
     assert broken in r.pool.failed and "injected" in r.stats.as_dict()["capture_failures"][str(broken)]
     items = make_items(tower, [(1, 4, 4)], 10)
-    assert r.pack_items(items)[0].key == broken
+    assert (r.pack_items(items)[0].key, r.pack_items(items)[0].reason) == (broken, "capture_failed")
     assert rel_err(r.encode(items)[0].embeds, solo(r, items[0]).embeds) < 1e-6
     assert r.stats.eager_items["capture_failed"] == 1
 

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from service.engine.core import Engine
-from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from service.engine import backends
+from tests.http_helpers import ServerThread, b64, image_bytes, settings, slow_engine
 
 IMAGE = image_bytes(200, 150, seed=3)  # 35 tokens with tiny-qwen2-vl
 BODY = {"items": [{"type": "image", "image": b64(IMAGE)}]}
@@ -52,11 +52,14 @@ def test_api_key():
         assert "s3cret" not in str(info) and info["settings"]["api_key_set"] is True
 
 
-def test_429_when_the_queue_is_full():
-    cfg = settings(max_queued_tokens=100, batch_delay_ms=1000, max_wait_ms=0)
-    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(4) as pool:
-        busy = post_in_background(srv.url, pool)
-        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 1 and metric(c, "vitserve_queue_items") == 0)
+def test_429_when_the_queue_is_full(monkeypatch):
+    slow_engine(monkeypatch, 1.0)
+    cfg = settings(max_queued_tokens=100, max_wait_ms=0, max_batch_items=1)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(6) as pool:
+        busy = [post_in_background(srv.url, pool) for _ in range(2)]  # the engine's two batches in flight
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2)
+        wait_for(lambda: metric(c, "vitserve_items_total", '{modality="image"}') == 0
+                 and metric(c, "vitserve_queue_tokens") == 0)  # both on the engine, none run yet
         queued = [post_in_background(srv.url, pool) for _ in range(2)]  # 70 tokens queued
         wait_for(lambda: metric(c, "vitserve_queue_tokens") == 70)
         r = c.post("/encode", json=BODY)  # 70 + 35 > 100
@@ -64,12 +67,13 @@ def test_429_when_the_queue_is_full():
         assert r.json()["error"]["type"] == "overloaded"
         big = c.post("/encode", json={"items": [{"type": "image", "image": b64(image_bytes(400, 400))}]})
         assert big.status_code == 422 and big.json()["error"]["code"] == "too_many_tokens"
-        assert [f.result().status_code for f in [busy, *queued]] == [200, 200, 200]
+        assert [f.result().status_code for f in [*busy, *queued]] == [200] * 4
         assert c.post("/encode", json=BODY).status_code == 200
 
 
-def test_429_over_concurrent_requests():
-    cfg = settings(max_concurrent_requests=2, batch_delay_ms=800, max_wait_ms=0)
+def test_429_over_concurrent_requests(monkeypatch):
+    slow_engine(monkeypatch, 0.8)
+    cfg = settings(max_concurrent_requests=2, max_wait_ms=0)
     with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(2) as pool:
         running = [post_in_background(srv.url, pool) for _ in range(2)]
         wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2)
@@ -78,16 +82,17 @@ def test_429_over_concurrent_requests():
         assert [f.result().status_code for f in running] == [200, 200]
 
 
-def test_504_and_the_timed_out_items_are_dropped():
-    cfg = settings(request_timeout_s=0.5, batch_delay_ms=1500, max_wait_ms=0)
-    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(2) as pool:
-        first = post_in_background(srv.url, pool)
-        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 1)
-        second = post_in_background(srv.url, pool)  # queued behind the slow batch
-        for f in (first, second):
+def test_504_and_the_timed_out_items_are_dropped(monkeypatch):
+    slow_engine(monkeypatch, 1.5)
+    cfg = settings(request_timeout_s=0.5, max_wait_ms=0, max_batch_items=1)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(3) as pool:
+        running = [post_in_background(srv.url, pool) for _ in range(2)]  # the engine's two batches in flight
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2)
+        third = post_in_background(srv.url, pool)  # queued behind the slow batches
+        for f in (*running, third):
             r = f.result()
             assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
-        # The engine skips the second request's item instead of running it for nobody.
+        # The third request's item is dropped from the queue instead of run for nobody.
         wait_for(lambda: metric(c, "vitserve_cancelled_items_total") >= 1)
         assert c.get("/health").status_code == 200
 
@@ -95,7 +100,7 @@ def test_504_and_the_timed_out_items_are_dropped():
 def test_500_is_logged_with_an_id_and_the_server_recovers(caplog):
     with ServerThread(settings()) as srv, srv.client() as c:
         runner = srv.engine.runner
-        original = runner.run_batch
+        original = runner.run
         calls = []
 
         def failing(batch, items):
@@ -104,7 +109,7 @@ def test_500_is_logged_with_an_id_and_the_server_recovers(caplog):
                 raise RuntimeError("injected device failure")
             return original(batch, items)
 
-        runner.run_batch = failing
+        runner.run = failing
         with caplog.at_level(logging.ERROR, logger="vitserve"):
             r = c.post("/encode", json=BODY)
         assert r.status_code == 500
@@ -116,29 +121,30 @@ def test_500_is_logged_with_an_id_and_the_server_recovers(caplog):
         assert c.post("/encode", json=BODY).status_code == 200
 
 
-def test_a_client_that_disconnects_has_its_queued_work_dropped():
-    cfg = settings(batch_delay_ms=1000, max_wait_ms=0)
-    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(1) as pool:
-        busy = post_in_background(srv.url, pool)
-        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 1 and metric(c, "vitserve_queue_items") == 0)
+def test_a_client_that_disconnects_has_its_queued_work_dropped(monkeypatch):
+    slow_engine(monkeypatch, 1.0)
+    cfg = settings(max_wait_ms=0, max_batch_items=1)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(2) as pool:
+        busy = [post_in_background(srv.url, pool) for _ in range(2)]  # the engine's two batches in flight
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2 and metric(c, "vitserve_queue_items") == 0)
         doomed = [{"type": "image", "image": b64(image_bytes(100, 80, seed=9))}] * 3
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
             httpx.post(srv.url + "/encode", json={"items": doomed}, timeout=0.4)
-        assert busy.result().status_code == 200
+        assert [f.result().status_code for f in busy] == [200, 200]
         wait_for(lambda: metric(c, "vitserve_cancelled_items_total") == 3)
         wait_for(lambda: metric(c, "vitserve_requests_total", '{status="499"}') == 1)
-        assert metric(c, "vitserve_items_total", '{modality="image"}') == 1  # only the busy request's item ran
+        assert metric(c, "vitserve_items_total", '{modality="image"}') == 2  # only the busy requests' items ran
 
 
 def test_ready_is_503_while_starting(monkeypatch):
     release = threading.Event()
-    build = Engine._build_runner
+    build = backends.build_runner
 
-    def slow_build(self):
+    def slow_build(settings):
         release.wait(30)
-        return build(self)
+        return build(settings)
 
-    monkeypatch.setattr(Engine, "_build_runner", slow_build)
+    monkeypatch.setattr(backends, "build_runner", slow_build)
     with ServerThread(settings(), wait_ready=False) as srv, srv.client() as c:
         r = c.get("/ready")
         assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
@@ -157,7 +163,8 @@ def test_info():
     assert info["model"] == "qwen3-tiny" and info["family"] == "qwen3_vl"
     assert info["dtype"] == "float32" and info["device"] == "cpu"
     assert info["budgets"] == [256, 1024] and info["t_capture"] == 4
-    assert info["captured"] and all(k.split("/")[1] in ("b256", "b1024") for k in info["captured"])
+    assert info["cuda_graphs"] is False and info["captured"] == []  # the CPU: no CUDA graphs
+    assert all(k.split("/")[1] in ("b256", "b1024") for k in info["pool"]["replays"])
     assert info["num_deepstack"] == 2 and info["out_hidden_size"] == 80
     assert info["limits"]["max_items_per_request"] == 64 and info["limits"]["max_payload_bytes"] == 64 * 2**20
     assert info["version"] and info["state"] == "ready"

@@ -22,10 +22,11 @@ def in_flight(url: str) -> float:
 
 
 def test_sigterm_drains_without_losing_accepted_requests():
-    env = {"VITSERVE_BATCH_DELAY_MS": "400", "VITSERVE_MAX_WAIT_MS": "0",
+    env = {"VITSERVE_MAX_WAIT_MS": "0",
            "VITSERVE_SERVED_MODEL_NAME": "from-env", "VITSERVE_MAX_ITEMS_PER_REQUEST": "7"}
     # No --model: the embedded default preset, announced in the log.
-    with SubprocessServer("--max-items-per-request", "5", "--max-batch-items", "2", env=env, model=None) as srv, \
+    with SubprocessServer("--max-items-per-request", "5", "--max-batch-items", "2", env=env, model=None,
+                          batch_delay_ms=400) as srv, \
             ThreadPoolExecutor(IN_FLIGHT) as pool:
         info = httpx.get(srv.url + "/info", timeout=5).json()
         assert info["model"] == "from-env" and info["model_source"] == "tiny-qwen2-vl"  # name from the environment

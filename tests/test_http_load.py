@@ -18,7 +18,7 @@ import torch
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
 from service.media.image_preprocess import preprocess_image_bytes
-from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from tests.http_helpers import ServerThread, b64, image_bytes, settings, slow_engine
 
 CLIENTS = 40
 REQUESTS_PER_CLIENT = 3
@@ -86,8 +86,9 @@ def test_concurrent_clients_get_their_own_answers(catalogue):
     assert re.search(r"^vitserve_graph_hits_total (\S+)$", text, re.M).group(1) != "0.0"
 
 
-def test_overload_burst_gets_429_never_5xx_and_recovers(catalogue):
-    cfg = settings(max_queued_tokens=600, max_concurrent_requests=16, batch_delay_ms=50)
+def test_overload_burst_gets_429_never_5xx_and_recovers(catalogue, monkeypatch):
+    slow_engine(monkeypatch, 0.05)
+    cfg = settings(max_queued_tokens=600, max_concurrent_requests=16)
     with ServerThread(cfg) as srv:
         async def burst():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:

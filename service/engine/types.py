@@ -1,9 +1,9 @@
-"""What the engine's parts exchange: the items a request hands over, the outputs it asks for, the results
-it gets back, the served model's description, and the errors the HTTP layer maps to statuses."""
+"""What the engine's parts exchange: the items a request hands over, where their pixels and embeddings
+live, the batches sent to a device, the served model's description, and the errors the HTTP layer maps
+to statuses."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -11,8 +11,8 @@ from typing import Any, Literal
 import torch
 
 from graphs.budgets import BudgetPlan
-from graphs.runner import GraphRunner
-from models.config import ProcessorConfig, VisualInput
+from graphs.packing import Batch, CostModel
+from models.config import ProcessorConfig
 
 Modality = Literal["image", "video"]
 IMAGE_OPTIONS = ("min_pixels", "max_pixels")
@@ -32,7 +32,8 @@ class EngineError(Exception):
 
 
 class ItemError(EngineError):
-    """One item cannot be used (422); `index` is its position in the request."""
+    """One item cannot be used (422): bad, or more work than the server's limits allow. `index` is its
+    position in the request."""
 
     def __init__(self, index: int, message: str, code: str) -> None:
         super().__init__(message, code)
@@ -60,7 +61,7 @@ class NotReady(EngineError):
 
 
 class EngineFailure(EngineError):
-    """The device run failed (500); the traceback is logged under `error_id`."""
+    """A device run or a worker job failed (500); the traceback is logged under `error_id`."""
 
     def __init__(self, message: str, error_id: str) -> None:
         super().__init__(message, "engine_failure")
@@ -73,10 +74,20 @@ class EngineDied(EngineError):
     code = "engine_failed"
 
 
-# ---- units of work ---------------------------------------------------------------------------
+class StorageFull(EngineError):
+    """Shared memory or the encoder-cache folder has no room left (507); nothing half-written stays."""
+
+    code = "insufficient_storage"
+
+
+def new_error_id() -> str:
+    return "err-" + uuid.uuid4().hex[:12]
+
+
+# ---- what a request hands over and gets back ---------------------------------------------------
 @dataclass
 class MediaItem:
-    """What the HTTP layer hands over: one item's bytes and its preprocessing options."""
+    """One item of a request: its bytes and its preprocessing options."""
 
     index: int
     modality: Modality
@@ -86,13 +97,18 @@ class MediaItem:
 
 
 @dataclass(frozen=True)
-class OutputSpec:
-    """What the response needs from each item, produced on the host by the engine thread."""
+class OutputRef:
+    """Where an item's embedding lives: rows [tokens, width] of the served dtype in a shared-memory
+    segment, the main embedding then each DeepStack level side by side (`width` = hidden * (1 + levels))."""
 
-    dtype: torch.dtype = torch.float32
-    deepstack: bool = False  # per-layer DeepStack tensors
-    joined: bool = False  # main embedding and DeepStack concatenated along hidden (vLLM's layout)
-    ec_cache: bool = False  # the joined tensor in the served dtype, for items that carry an id
+    segment: str
+    rows: int
+    width: int
+    dtype: str  # the served dtype's name, e.g. "bfloat16"
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
 
 
 @dataclass
@@ -104,27 +120,27 @@ class ItemResult:
     num_patches: int
     num_tokens: int
     meta: dict[str, Any]
-    embeds: torch.Tensor  # host, [tokens, D], spec dtype
-    deepstack: list[torch.Tensor] = field(default_factory=list)
-    joined: torch.Tensor | None = None
-    ec_cache: torch.Tensor | None = None
+    output: OutputRef
+    cached: bool = False  # served from the encoder-output cache
     preprocess_s: float = 0.0
     queue_s: float = 0.0
     gpu_s: float = 0.0
 
 
-@dataclass(eq=False)
-class Work:
-    item: MediaItem
-    visual: VisualInput
-    tokens: int
-    spec: OutputSpec
-    want_ec: bool
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    preprocess_s: float
-    enqueued: float = 0.0
-    cancelled: bool = False  # set on the event loop, read by the engine thread
+# ---- what crosses to a device ------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobItem:
+    modality: str
+    grid_thw: tuple[int, int, int]
+    pixels: str  # segment holding uint8 rows [t*h*w, patch_dim]
+    output: str  # segment to create for the item's joined rows
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    id: int
+    batch: Batch
+    items: tuple[JobItem, ...]
 
 
 @dataclass(frozen=True)
@@ -140,15 +156,25 @@ class ModelInfo:
     plan: BudgetPlan
     captured: tuple[str, ...]
     capture_failures: dict[str, str]
-    replay_overhead_tokens: float | None = None  # measured at start-up; the packing weighs it
+    cost: CostModel | None = None  # measured at start-up; the batcher weighs it
+    uses_graphs: bool = True  # False on the CPU (fixed-shape eager runs) and with --eager
 
     @property
     def merge_unit(self) -> int:
         return self.plan.merge_unit
 
+    @property
+    def width(self) -> int:
+        return self.out_hidden_size * (1 + self.num_deepstack)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
     @classmethod
-    def from_runner(cls, runner: GraphRunner) -> ModelInfo:
+    def from_runner(cls, runner: Any) -> ModelInfo:
         tower = runner.tower
+        cuda_graphs = runner.use_graphs and runner.device.type == "cuda"
         return cls(
             family=getattr(tower, "family", None),
             processor=tower.processor,
@@ -157,12 +183,8 @@ class ModelInfo:
             out_hidden_size=tower.out_hidden_size,
             num_deepstack=tower.num_deepstack,
             plan=runner.plan,
-            captured=tuple(sorted(str(k) for k in runner.pool.graphs)),
+            captured=tuple(sorted(str(k) for k in runner.pool.graphs)) if cuda_graphs else (),
             capture_failures={str(k): v for k, v in runner.pool.failed.items()},
-            replay_overhead_tokens=runner.replay_overhead_tokens,
+            cost=runner.cost,
+            uses_graphs=cuda_graphs,
         )
-
-
-
-def new_error_id() -> str:
-    return "err-" + uuid.uuid4().hex[:12]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
-import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -21,12 +21,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service import shm
 from service.engine.core import Engine
-from service.engine.types import EngineError, ItemResult, NotReady, OutputSpec
+from service.engine.types import EngineError, ItemResult, NotReady
 from service.handoff.ec_storage import ECSharedStorage
 from service.http import encoders
 from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
+from service.http.responses import PartsResponse, json_parts, take_segment
 from service.http.schemas import (
     EncodeRequest,
     EncodeResponse,
@@ -38,6 +40,7 @@ from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
 from service.settings import ServeSettings
 from service.version import VERSION
+from service.workers.pool import Owner
 
 log = logging.getLogger("vitserve.http")
 T = TypeVar("T")
@@ -52,9 +55,11 @@ class Service:
         self.storage = ECSharedStorage(settings.ec_shared_storage) if settings.ec_shared_storage else None
         self.fetcher: UrlFetcher | None = None
         self._api_key = settings.api_key_bytes()
+        # Request bodies are parsed off the event loop's turn (a body is megabytes of base64).
+        self._parsers = ThreadPoolExecutor(2, thread_name_prefix="vitserve-parse")
 
     async def run_in_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.engine.pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._parsers, fn, *args)
 
     def check_auth(self, request: Request) -> None:
         if self._api_key is None:
@@ -94,27 +99,27 @@ class Service:
         if not todo:
             return
         if self.fetcher is None:
-            self.fetcher = UrlFetcher(self.settings, self.engine.pool)
+            self.fetcher = UrlFetcher(self.settings, self._parsers)
         datas = await asyncio.gather(*(self.fetcher.fetch(it.url, it.index) for it in todo))  # type: ignore[arg-type]
         for it, data in zip(todo, datas):
             if not data:
                 raise item_error(it.index, "the URL returned no bytes", "empty")
             it.data = data
 
-    async def encode_items(self, request: Request, parsed: Parsed, spec: OutputSpec) -> list[ItemResult]:
-        """engine.encode raced against the client going away (then its queued items are dropped)."""
-        work = asyncio.ensure_future(self.engine.encode([it.media() for it in parsed.items], spec))
+    async def until_gone(self, request: Request, work: Awaitable[T]) -> T:
+        """`work` raced against the client going away: then it is cancelled, and ClientGone raised."""
+        task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
                 raise ClientGone()
-            return work.result()
+            return task.result()
         finally:
-            for task in (work, gone):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(work, gone, return_exceptions=True)
+            for t in (task, gone):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(task, gone, return_exceptions=True)
 
     async def respond(self, request: Request) -> Response:
         """Every outcome of one /encode call as a response (499: the client is gone, nobody reads it)."""
@@ -128,7 +133,7 @@ class Service:
             return ApiError(504, "timeout", f"the request took longer than {self.settings.request_timeout_s:g}s "
                                             "(--request-timeout-s)", "timeout").response()
         except ClientGone:
-            log.info("client went away; its queued work was dropped")
+            log.info("client went away; its work was stopped")
             return Response(status_code=499)
         except Exception as exc:
             error_id = "err-" + uuid.uuid4().hex[:12]
@@ -140,43 +145,59 @@ class Service:
         self.check_auth(request)
         self.engine.check_accepting()
         with self.engine.request_slot():
-            return await asyncio.wait_for(self._encode(request), self.settings.request_timeout_s)
+            owner = self.engine.new_request()
+            try:
+                return await asyncio.wait_for(self._encode(request, owner), self.settings.request_timeout_s)
+            except BaseException:
+                self.engine.cancel(owner)  # whatever it still runs stops: media jobs, queued items, encodes
+                raise
 
-    async def _encode(self, request: Request) -> Response:
+    async def _encode(self, request: Request, owner: Owner) -> Response:
         body = await self.read_body(request)
         parsed = await self.parse(request, body)
         del body
         await self.resolve_urls(parsed)
-        out = parsed.output
-        want_st = encoders.SAFETENSORS_MEDIA_TYPE in request.headers.get("accept", "")
-        spec = OutputSpec(
-            dtype=encoders.DTYPES[out.dtype],
-            deepstack=out.include_deepstack,
-            joined=out.encoding_format == "vllm" and not want_st,
-            ec_cache=self.storage is not None,
-        )
-        results = await self.encode_items(request, parsed, spec)
-        if self.storage is not None:
-            await self.run_in_pool(self.write_ec, results)
-        request_id = "enc-" + uuid.uuid4().hex
-        model = self.settings.model_name
-        if want_st:
-            family = self.engine.family
-            content = await self.run_in_pool(lambda: encoders.safetensors_body(
-                results, request_id=request_id, model=model, dtype=out.dtype, include_deepstack=out.include_deepstack,
-                family=family))
-            return Response(content, media_type=encoders.SAFETENSORS_MEDIA_TYPE, headers={"x-request-id": request_id})
-        content = await self.run_in_pool(lambda: encoders.json_body(
-            results, request_id=request_id, model=model, fmt=out.encoding_format, dtype=out.dtype,
-            include_deepstack=out.include_deepstack))
-        return Response(content, media_type="application/json", headers={"x-request-id": request_id})
+        items = [it.media() for it in parsed.items]
+        results = await self.until_gone(request, self.engine.encode(items, owner))
+        try:
+            return await self.until_gone(request, self.render(request, owner, results, parsed.output))
+        finally:
+            self.engine.release(results)  # the workers have read what they needed
 
-    def write_ec(self, results: list[ItemResult]) -> None:
-        assert self.storage is not None
-        for r in results:
-            if r.ec_cache is not None and r.id is not None:
-                self.storage.write(r.id, r.ec_cache, {"model": self.settings.model_name,
-                                                      "grid_thw": json.dumps(list(r.grid_thw))})
+    async def render(self, request: Request, owner: Owner, results: list[ItemResult], out: Any) -> Response:
+        """The response body, encoded by the worker processes (see `responses`)."""
+        model = self.engine.model
+        assert model is not None
+        request_id = "enc-" + uuid.uuid4().hex
+        headers = {"x-request-id": request_id}
+        workers, names = self.engine.workers, self.engine.names
+        shared = [_result_fields(r) for r in results]
+        if self.storage is not None:
+            root = str(self.storage.root)
+            await asyncio.gather(*(workers.call(owner, "service.workers.jobs:write_encoder_cache", root, r.id,
+                                                fields["output"], self.settings.model_name, list(r.grid_thw))
+                                   for r, fields in zip(results, shared) if r.id is not None))
+        if encoders.SAFETENSORS_MEDIA_TYPE in request.headers.get("accept", ""):
+            name = names.next("resp")
+            header = dict(request_id=request_id, model=self.settings.model_name, dtype=out.dtype,
+                          include_deepstack=out.include_deepstack, family=self.engine.family)
+            length = await workers.call(owner, "service.workers.jobs:encode_safetensors", shared, header,
+                                        model.out_hidden_size, name)
+            return PartsResponse([take_segment(name, length)], encoders.SAFETENSORS_MEDIA_TYPE, headers)
+        targets = [names.next("resp") for _ in results]
+        try:
+            lengths = await asyncio.gather(*(
+                workers.call(owner, "service.workers.jobs:encode_item", fields, out.encoding_format, out.dtype,
+                             out.include_deepstack, model.out_hidden_size, name)
+                for fields, name in zip(shared, targets)))
+        except BaseException:
+            for name in targets:
+                shm.unlink(name)
+            raise
+        entries = [take_segment(name, n) for name, n in zip(targets, lengths)]
+        parts = json_parts({"id": request_id, "model": self.settings.model_name}, entries,
+                           {"usage": encoders.usage(results)})
+        return PartsResponse(parts, "application/json", headers)
 
     async def drain(self, timeout: float) -> bool:
         """SIGTERM: refuse new work, let admitted requests finish (True if all did in time)."""
@@ -234,7 +255,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
         if service.storage is not None:
             service.storage.check()
         if start_engine and engine.state == "starting":
-            engine.start(background=engine.runner is None)
+            engine.start()
         try:
             yield
         finally:
@@ -330,3 +351,9 @@ REQUEST_BODY: dict[str, Any] = {
     },
 }
 
+
+
+def _result_fields(r: ItemResult) -> dict[str, Any]:
+    """What a worker needs of a result to encode it (picklable, no tensors)."""
+    return {"index": r.index, "modality": r.modality, "id": r.id, "grid_thw": list(r.grid_thw),
+            "num_patches": r.num_patches, "num_tokens": r.num_tokens, "meta": r.meta, "output": r.output}

@@ -52,7 +52,10 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--eager", dict(action=argparse.BooleanOptionalAction, help="no CUDA graphs: eager PyTorch only")),
     ("--max-batch-items", dict(type=int, help="items per batch (default: the smallest budget)")),
     ("--max-items-per-request", dict(type=int, help="items per request, 422 above (default 64)")),
-    ("--preprocess-workers", dict(type=int, help="decode/preprocess threads (default min(8, cores))")),
+    ("--preprocess-workers", dict(type=int, help="worker processes that decode and preprocess media and encode "
+                                                 "responses (default: the cores but two, from 2 to 16)")),
+    ("--worker-max-rss-mib", dict(type=int, help="a worker whose memory passes this while it works on an item is "
+                                                 "killed, and the item refused (default 4096)")),
     ("--allow-url", dict(action=argparse.BooleanOptionalAction,
                          help="fetch http(s) media URLs whose host is in --allowed-hosts (default off)")),
     ("--allowed-hosts", dict(help="comma list of hosts URLs may name (*.example.com allowed)")),

@@ -23,6 +23,8 @@ class MediaError(ValueError):
     code: short machine code, stable across releases (see the constants in this module).
     """
 
+    client_error = True  # the input's fault: worker processes hand it back as it is
+
     def __init__(self, reason: str, code: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -37,3 +39,4 @@ class MediaError(ValueError):
 
     def to_dict(self) -> dict[str, str]:
         return {"code": self.code, "reason": self.reason}
+

@@ -1,0 +1,286 @@
+"""The batcher: the one home of the batching policy, on the event loop.
+
+Items arrive with their pixels ready in shared memory. Whenever an engine has room (at most
+`MAX_INFLIGHT` batches each: one running, one staged behind it) the batcher takes the queue, packs it
+(`graphs.packing.pack`: token budgets, splits over smaller budgets, replay or eager by the engine's
+measured costs) and hands the batches to the engines with the fewest outstanding tokens; what finds
+no room goes back to the queue and is packed again, with whatever arrived meanwhile, at the next
+chance. A batch may wait to fill for at most `--max-wait-ms`, and only while other admitted requests
+are still preparing their media: nothing else could join it in time, so a lone request goes at once.
+
+Items of one request may land in different batches and engines; each has its own future. Items whose
+request went away are dropped before packing; a batch already running finishes, and its results are
+discarded. One dispatch path whether there is one engine or several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphs.packing import PackItem, pack
+from service import shm
+from service.engine.backends import Backend
+from service.engine.types import (
+    BatchJob,
+    EngineDied,
+    EngineFailure,
+    ItemResult,
+    JobItem,
+    ModelInfo,
+    OutputRef,
+    StorageFull,
+)
+from service.metrics import Metrics
+
+log = logging.getLogger("vitserve.engine")
+
+MAX_INFLIGHT = 2  # batches per engine: one on the device, the next staged behind it
+
+
+@dataclass(eq=False)
+class Work:
+    """One item ready for the device."""
+
+    request: Any  # whose item it is: `.cancelled` tells whether anyone still waits
+    index: int
+    modality: str
+    id: str | None
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    tokens: int
+    meta: dict[str, Any]
+    pixels: str  # segment with its uint8 rows
+    future: asyncio.Future
+    preprocess_s: float = 0.0
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    engine: Backend
+    job: BatchJob
+    works: list[Work]
+    dispatched: float
+
+
+class Batcher:
+    def __init__(self, settings: Any, metrics: Metrics, names: shm.SegmentNames,
+                 on_dispatched: Callable[[list[Work]], None], on_all_engines_lost: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.names = names
+        self.on_dispatched = on_dispatched  # the works left the queue (admission releases their tokens)
+        self.on_all_engines_lost = on_all_engines_lost
+        self.engines: list[Backend] = []
+        self.model: ModelInfo | None = None
+        self.queue: list[Work] = []
+        self.preparing = 0  # admitted requests still decoding: a batch may wait for them
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._inflight: dict[int, _InFlight] = {}
+        self._outstanding: dict[int, int] = {}  # engine index -> tokens handed over, not yet returned
+        self._jobs = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._scheduled = False
+        self.batches: dict[int, int] = {}  # engine index -> batches completed
+        self.items: dict[int, int] = {}
+
+    def start(self, loop: asyncio.AbstractEventLoop, engines: list[Backend], model: ModelInfo) -> None:
+        self.loop, self.engines, self.model = loop, engines, model
+        for e in engines:
+            self._outstanding[e.index] = 0
+            self.batches[e.index] = self.items[e.index] = 0
+            e.attach(loop, self._on_reply, self._on_exit)
+        self.kick()
+
+    # ---- the queue ----------------------------------------------------------------------------
+    def add(self, works: list[Work]) -> None:
+        now = time.monotonic()
+        for w in works:
+            w.enqueued = now
+        self.queue.extend(works)
+        self._publish()
+        self.kick()
+
+    def kick(self) -> None:
+        """Look at the queue soon (once per loop iteration, however many events asked)."""
+        if not self._scheduled and self.loop is not None:
+            self._scheduled = True
+            self.loop.call_soon(self._tick)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(w.tokens for w in self.queue)
+
+    def _publish(self) -> None:
+        self.metrics.queue_items.set(len(self.queue))
+
+    def _free(self) -> list[Backend]:
+        return [e for e in self.engines if e.state == "ready"
+                and sum(f.engine is e for f in self._inflight.values()) < MAX_INFLIGHT]
+
+    def _tick(self) -> None:
+        self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        dropped = [w for w in self.queue if w.request.cancelled]
+        if dropped:
+            self.queue = [w for w in self.queue if not w.request.cancelled]
+            self._discard(dropped)
+        if not self.queue or self.model is None:
+            self._publish()
+            return
+        free = self._free()
+        if not free:
+            return  # a completion kicks again
+        oldest = min(w.enqueued for w in self.queue)
+        wait = oldest + self.settings.max_wait_ms / 1000 - time.monotonic()
+        if self.preparing and self.queued_tokens < self.model.plan.max_budget and wait > 0:
+            assert self.loop is not None
+            self._timer = self.loop.call_later(wait, self.kick)
+            return
+        self._dispatch(free)
+
+    def _dispatch(self, free: list[Backend]) -> None:
+        assert self.model is not None
+        works, self.queue = self.queue, []
+        works.sort(key=lambda w: w.enqueued)
+        plan = self.model.plan
+        items = [PackItem(w.tokens, w.modality, w.grid_thw[0], w.grid_thw[1] * w.grid_thw[2]) for w in works]
+        left: list[Work] = []
+        for batch in pack(items, plan, self.model.cost):
+            members = [works[i] for i in batch.items]
+            engine = self._pick(free)
+            if engine is None:
+                left += members
+                continue
+            if batch.reason is None and batch.key is not None and str(batch.key) in engine.model.capture_failures:
+                batch.reason = "capture_failed"
+            self._send(engine, batch, members)
+        self.queue = sorted(left, key=lambda w: w.enqueued)
+        self._publish()
+
+    def _pick(self, free: list[Backend]) -> Backend | None:
+        room = [e for e in free if sum(f.engine is e for f in self._inflight.values()) < MAX_INFLIGHT]
+        return min(room, key=lambda e: (self._outstanding[e.index], e.index), default=None)
+
+    def _send(self, engine: Backend, batch: Any, members: list[Work]) -> None:
+        job_id = next(self._jobs)
+        batch.items = list(range(len(members)))
+        job = BatchJob(job_id, batch, tuple(
+            JobItem(w.modality, w.grid_thw, w.pixels, self.names.next("out")) for w in members))
+        now = time.monotonic()
+        for w in members:
+            self.metrics.queue_seconds.observe(now - w.enqueued)
+        self._inflight[job_id] = _InFlight(engine, job, members, now)
+        self._outstanding[engine.index] += batch.tokens
+        self.on_dispatched(members)
+        engine.submit(job)
+
+    # ---- results ------------------------------------------------------------------------------
+    def _on_reply(self, engine: Backend, message: tuple) -> None:
+        kind = message[0]
+        flight = self._inflight.pop(message[1], None) if kind in ("done", "error") else None
+        if flight is None:
+            return
+        self._outstanding[engine.index] -= flight.job.batch.tokens
+        for it in flight.job.items:
+            shm.unlink(it.pixels)
+        if kind == "done":
+            _, _, seconds, stats = message
+            engine.stats = stats
+            self._complete(flight, seconds)
+        else:
+            _, _, error_id, text, code = message
+            exc = StorageFull(text) if code == "insufficient_storage" else EngineFailure(text, error_id)
+            self._fail(flight, exc)
+        self.kick()
+
+    def _complete(self, flight: _InFlight, seconds: float) -> None:
+        assert self.model is not None
+        m, batch = self.model, flight.job.batch
+        self.metrics.gpu_seconds.observe(seconds)
+        self.metrics.batch_tokens.observe(batch.tokens)
+        self.metrics.batch_items.observe(len(flight.works))
+        self.batches[flight.engine.index] += 1
+        self.items[flight.engine.index] += len(flight.works)
+        for w, it in zip(flight.works, flight.job.items):
+            self.metrics.items.labels(w.modality).inc()
+            self.metrics.tokens.inc(w.tokens)
+            if w.future.done() or w.request.cancelled:  # it ran for nobody: its request went away meanwhile
+                self.metrics.cancelled.inc()
+                shm.unlink(it.output)
+                continue
+            w.future.set_result(ItemResult(
+                index=w.index, modality=w.modality, id=w.id, grid_thw=w.grid_thw,  # type: ignore[arg-type]
+                num_patches=w.num_patches, num_tokens=w.tokens, meta=w.meta,
+                output=OutputRef(it.output, w.tokens, m.width, m.dtype_name),
+                preprocess_s=w.preprocess_s, queue_s=flight.dispatched - w.enqueued, gpu_s=seconds))
+
+    def _fail(self, flight: _InFlight, exc: Exception) -> None:
+        for w, it in zip(flight.works, flight.job.items):
+            shm.unlink(it.output)
+            if not w.future.done():
+                w.future.set_exception(exc)
+
+    def _discard(self, works: list[Work]) -> None:
+        """Queued items nobody waits for any more: their pixels go, they never reach a device."""
+        self.metrics.cancelled.inc(len(works))
+        for w in works:
+            shm.unlink(w.pixels)
+        self.on_dispatched(works)
+
+    def _on_exit(self, engine: Backend) -> None:
+        lost = [f for f in self._inflight.values() if f.engine is engine]
+        for f in lost:
+            del self._inflight[f.job.id]
+            for it in f.job.items:
+                shm.unlink(it.pixels)
+            self._fail(f, EngineDied(f"engine {engine.index} ({engine.device}) exited (code {engine.exitcode}) "
+                                     "while running this request; retry it"))
+        self._outstanding[engine.index] = 0
+        if engine.state == "stopped":
+            return
+        left = sum(e.state == "ready" for e in self.engines)
+        log.error("engine %d (%s, pid %s) exited with code %s; %d batch(es) in flight fail, %d engine(s) left",
+                  engine.index, engine.device, engine.pid, engine.exitcode, len(lost), left)
+        if left == 0:
+            self.fail_queue(EngineDied("no engine is left to run this request"))
+            self.on_all_engines_lost("every engine exited")
+        else:
+            self.kick()
+
+    def fail_queue(self, exc: Exception) -> None:
+        works, self.queue = self.queue, []
+        for w in works:
+            shm.unlink(w.pixels)
+            if not w.future.done():
+                w.future.set_exception(exc)
+        self.on_dispatched(works)
+        self._publish()
+
+    def fail_inflight(self, exc: Exception) -> None:
+        for f in list(self._inflight.values()):
+            for it in f.job.items:
+                shm.unlink(it.pixels)
+            self._fail(f, exc)
+        self._inflight.clear()
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def engine_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for e in self.engines:
+            stats = e.stats or {}
+            rows.append({"gpu": e.index, "device": e.device, "pid": e.pid, "state": e.state, "exitcode": e.exitcode,
+                         "error": e.error, "outstanding_tokens": self._outstanding.get(e.index, 0),
+                         "outstanding_batches": sum(f.engine is e for f in self._inflight.values()),
+                         "batches": self.batches.get(e.index, 0), "items": self.items.get(e.index, 0),
+                         "graph_hits": stats.get("graph_items", 0),
+                         "graph_misses": sum(stats.get("eager_items", {}).values())})
+        return rows

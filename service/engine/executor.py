@@ -1,0 +1,136 @@
+"""The device side of the engine: runs batch jobs on one device and writes each item's embedding to its
+own shared-memory segment.
+
+`serve_jobs` drives a `BatchExecutor` with two threads, so that host work overlaps the device's:
+- the dispatch thread takes the next job, reads its items' pixels from their segments into page-locked
+  memory, builds its metadata and enqueues the upload, the replay (or eager forward) and ONE copy of
+  the batch's joined output rows back to page-locked memory, then goes on to the next job without
+  waiting: while batch k runs on the device, batch k+1 is staged behind it on the same stream;
+- the completion thread waits for each batch's copy (an event, not a device-wide sync), writes every
+  item's rows into its output segment and replies.
+The front keeps at most two batches in flight per engine, so one is staged while the other runs.
+The same loop runs in an engine process (the GPU; `backends.ProcessBackend`) and in a thread of the
+server (the CPU; `backends.LocalBackend`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from graphs.runner import GraphRunner
+from models.config import VisualInput
+from service import shm
+from service.engine.types import BatchJob, new_error_id
+
+log = logging.getLogger("vitserve.engine")
+
+
+@dataclass
+class Running:
+    job: BatchJob
+    rows: torch.Tensor  # the joined output rows on the host (page-locked on CUDA), filled by `event`
+    event: torch.cuda.Event | None
+    started: float
+
+
+class BatchExecutor:
+    def __init__(self, runner: GraphRunner) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.cuda = runner.device.type == "cuda"
+        self.patch_dim = runner.tower.processor.patch_dim
+
+    def start(self, job: BatchJob) -> Running:
+        """Stage the job and enqueue its device work; returns without waiting for the device."""
+        t0 = time.perf_counter()
+        items = []
+        for it in job.items:
+            t, h, w = it.grid_thw
+            pixels = shm.read_array(it.pixels, "uint8", (t * h * w, self.patch_dim))
+            items.append(VisualInput(it.modality, pixels, it.grid_thw))  # type: ignore[arg-type]
+        with torch.inference_mode():
+            rows = self.runner.run(job.batch, items)
+            if self.cuda:
+                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                return Running(job, host, event, t0)
+        return Running(job, rows.clone(), None, t0)  # the next job reuses the static output
+
+    def finish(self, running: Running) -> float:
+        """Wait for the job's output copy, write each item's rows to its segment; the job's seconds."""
+        if running.event is not None:
+            running.event.synchronize()
+        raw = running.rows.view(torch.uint8).numpy() if running.rows.numel() else None
+        row_bytes = running.rows.shape[1] * running.rows.element_size()
+        offset = 0
+        written: list[str] = []
+        try:
+            for it in running.job.items:
+                t, h, w = it.grid_thw
+                tokens = t * h * w // self.runner.plan.merge_unit
+                segment = shm.create(it.output, tokens * row_bytes)
+                written.append(it.output)
+                try:
+                    if tokens:
+                        assert raw is not None
+                        segment[:tokens * row_bytes] = raw[offset:offset + tokens].reshape(-1).data
+                finally:
+                    segment.close()
+                offset += tokens
+        except BaseException:
+            for name in written:  # nothing half-written stays behind
+                shm.unlink(name)
+            raise
+        return time.perf_counter() - running.started
+
+
+def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
+               reply: Callable[[tuple], None], name: str = "vitserve-complete") -> None:
+    """Run jobs from `receive` (None: stop) until it stops; replies ("done", job id, seconds, pool stats)
+    or ("error", job id, error id, message, code) through `reply`, which may be called from two threads."""
+    lock = threading.Lock()
+    pending: queue.Queue[Running | None] = queue.Queue()
+
+    def send(message: tuple) -> None:
+        with lock:
+            reply(message)
+
+    def complete() -> None:
+        while (running := pending.get()) is not None:
+            try:
+                seconds = executor.finish(running)
+                send(("done", running.job.id, seconds, executor.runner.stats.as_dict()))
+            except Exception as exc:
+                send(_failure(running.job, exc))
+
+    completer = threading.Thread(target=complete, name=name, daemon=True)
+    completer.start()
+    try:
+        while (job := receive()) is not None:
+            try:
+                pending.put(executor.start(job))
+            except Exception as exc:
+                send(_failure(job, exc))
+    finally:
+        pending.put(None)
+        completer.join()
+
+
+def _failure(job: BatchJob, exc: BaseException) -> tuple:
+    error_id = new_error_id()
+    if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: /dev/shm is full
+        log.error("batch %d: no room in /dev/shm for its outputs (%s), error id %s", job.id, exc, error_id)
+        return ("error", job.id, error_id, "shared memory (/dev/shm) is full: the server needs more room there",
+                "insufficient_storage")
+    log.error("batch %s of %d item(s) failed, error id %s", job.batch.key, len(job.items), error_id,
+              exc_info=(type(exc), exc, exc.__traceback__))
+    return ("error", job.id, error_id, f"internal error {error_id}: {type(exc).__name__}", "engine_failure")

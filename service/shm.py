@@ -1,0 +1,122 @@
+"""Named shared-memory segments (files under /dev/shm) that carry pixels and embeddings between the
+server's processes, so that the HTTP front never copies tensor data.
+
+The front names every segment (`SegmentNames`: its pid, a random tag and a counter), so it can unlink any
+of them whatever happened to the process that was to write it; a killed worker leaks nothing. Writers
+reserve the whole size up front (`posix_fallocate`): on a full /dev/shm the write fails with ENOSPC at
+once, rather than a SIGBUS when a page is first touched. A segment is unlinked as soon as the last
+process that needs to open it has done so; mappings stay valid after the unlink.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "vitserve_"
+ALIGN = 64  # bytes: every array in a segment starts on a cache line
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class SegmentNames:
+    """Unique segment names of one front process: vitserve_<pid>_<tag>_<n>."""
+
+    def __init__(self) -> None:
+        self.prefix = f"{PREFIX}{os.getpid()}_{secrets.token_hex(3)}_"
+        self._counter = itertools.count()
+
+    def next(self, kind: str = "") -> str:
+        return f"{self.prefix}{kind}{next(self._counter)}"
+
+
+def create(name: str, size: int) -> mmap.mmap:
+    """A new segment of `size` bytes, mapped read-write; raises OSError (ENOSPC) when /dev/shm is full."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        size = max(size, 1)
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, writable: bool = False) -> mmap.mmap:
+    fd = os.open(SHM_DIR / name, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, 0, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    finally:
+        os.close(fd)
+
+
+def unlink(name: str) -> None:
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:
+        pass
+
+
+def array(buf: mmap.mmap | memoryview, dtype: np.dtype | str, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
+    return np.ndarray(shape, dtype=np.dtype(dtype), buffer=buf, offset=offset)
+
+
+def write_array(name: str, arr: np.ndarray) -> None:
+    """One array into a new segment of exactly its size."""
+    arr = np.ascontiguousarray(arr)
+    seg = create(name, arr.nbytes)
+    try:
+        array(seg, arr.dtype, arr.shape)[...] = arr
+    finally:
+        seg.close()
+
+
+def read_array(name: str, dtype: np.dtype | str, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
+    """A read-only view of an array in a segment; the mapping lives as long as the view."""
+    return array(open_segment(name), dtype, shape, offset)
+
+
+def free_bytes() -> int | None:
+    """Free space of /dev/shm, or None where there is no such folder."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def sweep_stale() -> int:
+    """Remove segments left by front processes that no longer exist (killed outright); returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for entry in names:
+        if not entry.startswith(PREFIX):
+            continue
+        pid = entry[len(PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            unlink(entry)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,185 @@
+"""What runs in the worker processes (`pool.WorkerPool`): a request's media in, its response body out.
+
+- `prepare_media`: bytes (in a segment) -> estimated cost, asked of the server before any decoding
+  (admission counts it) -> decoded and preprocessed uint8 patches, written to the item's pixel segment.
+- `encode_item`: one item's embedding rows (a segment the engine wrote) -> its JSON entry in the
+  requested format and dtype, written to a segment the server streams to the client.
+- `encode_safetensors`: every item of a request -> one safetensors body.
+
+Input problems raise `MediaError` (a client error: the pool hands it back as it is); anything else is a
+bug, logged with its traceback by the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.config import ProcessorConfig, VisualInput
+from service import shm
+from service.engine.types import OutputRef
+
+torch.set_num_threads(1)  # a worker is one core's worth of work; the pool spreads them
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """An item's cost, known before decoding: its grid and merged tokens."""
+
+    grid_thw: tuple[int, int, int]
+    tokens: int
+
+
+@dataclass
+class Prepared:
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _read(segment: str, length: int) -> bytes:
+    mapping = shm.open_segment(segment)
+    try:
+        return bytes(mapping[:length])
+    finally:
+        mapping.close()
+
+
+def estimate(data: bytes, modality: str, cfg: ProcessorConfig, options: dict[str, Any]) -> Estimate:
+    """The item's grid from its header or container metadata alone (no pixel is decoded)."""
+    merge = cfg.merge_size * cfg.merge_size
+    if modality == "image":
+        import io
+
+        from PIL import Image
+
+        from service.media.image_preprocess import smart_resize
+        from service.media.images import decode_image, sniff_format
+
+        fmt = sniff_format(data)
+        try:
+            width, height = Image.open(io.BytesIO(data), formats=[fmt]).size if fmt else (0, 0)
+        except Exception:  # noqa: BLE001 - the decoder below names the problem
+            width = height = 0
+        if not width or not height:
+            decode_image(data)  # raises the MediaError that says why
+        h, w = smart_resize(height, width, cfg.factor, options.get("min_pixels", cfg.min_pixels),
+                            options.get("max_pixels", cfg.max_pixels))
+        grid = (1, h // cfg.patch_size, w // cfg.patch_size)
+    else:
+        from service.media.video import VideoReader
+        from service.media.video_preprocess import plan_sampling
+
+        sampling = {k: v for k, v in options.items() if k != "max_frame_pixels"}
+        with VideoReader(data, threads=1) as reader:
+            info = reader.info
+            plan = plan_sampling(cfg, info.num_frames, info.fps, **sampling)
+        h, w = plan.size(info.height, info.width)
+        frames = len(plan.indices) + (-len(plan.indices) % cfg.temporal_patch_size)
+        grid = (frames // cfg.temporal_patch_size, h // cfg.patch_size, w // cfg.patch_size)
+    return Estimate(grid, grid[0] * grid[1] * grid[2] // merge)
+
+
+def prepare_media(ctx: Any, source: str, length: int, modality: str, cfg: ProcessorConfig,
+                  options: dict[str, Any], pixels: str) -> Prepared:
+    """Estimate, ask to go on, decode and preprocess; the patches go to segment `pixels`."""
+    t0 = time.perf_counter()
+    data = _read(source, length)
+    cost = estimate(data, modality, cfg, options)
+    ctx.ask(cost)  # admission: raises Aborted (no result) when the server refuses the item
+    if modality == "image":
+        from service.media.image_preprocess import preprocess_image_bytes
+
+        visual: VisualInput = preprocess_image_bytes(data, cfg, options.get("min_pixels"), options.get("max_pixels"))
+    else:
+        from service.media.video_preprocess import preprocess_video_bytes
+
+        visual = preprocess_video_bytes(data, cfg, threads=1, workers=1, **options)
+    del data
+    shm.write_array(pixels, visual.pixels)
+    return Prepared(tuple(int(x) for x in visual.grid_thw), visual.num_patches,  # type: ignore[arg-type]
+                    visual.meta, time.perf_counter() - t0)
+
+
+# ---- responses --------------------------------------------------------------------------------
+@dataclass
+class ItemView:
+    """An item's result as the response encoders read it: the embedding, the DeepStack levels and
+    both side by side (vLLM's layout), in the requested dtype; plus what the request said of it."""
+
+    index: int
+    modality: str
+    id: str | None
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    num_tokens: int
+    meta: dict[str, Any]
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+    joined: torch.Tensor
+
+
+def load_rows(ref: OutputRef) -> torch.Tensor:
+    """The joined rows [tokens, width] in the served dtype (a copy: the segment may go right after)."""
+    dtype = getattr(torch, ref.dtype)
+    if ref.rows == 0:
+        return torch.empty((0, ref.width), dtype=dtype)
+    mapping = shm.open_segment(ref.segment)
+    try:
+        raw = np.frombuffer(mapping, dtype=np.uint8, count=ref.nbytes).copy()
+    finally:
+        mapping.close()
+    return torch.from_numpy(raw).view(dtype).view(ref.rows, ref.width)
+
+
+def view(result: dict[str, Any], hidden: int, dtype: torch.dtype) -> ItemView:
+    rows = load_rows(result["output"]).to(dtype)
+    levels = [rows[:, j:j + hidden] for j in range(0, rows.shape[1], hidden)]
+    return ItemView(result["index"], result["modality"], result["id"], tuple(result["grid_thw"]),  # type: ignore[arg-type]
+                    result["num_patches"], result["num_tokens"], result["meta"], levels[0].contiguous(),
+                    [lv.contiguous() for lv in levels[1:]], rows)
+
+
+def encode_item(ctx: Any, result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int,
+                out: str) -> int:
+    """One item's JSON entry into segment `out`; returns its length in bytes."""
+    from service.http import encoders
+
+    item = view(result, hidden, encoders.DTYPES[dtype])
+    body = encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack))
+    _write(out, body)
+    return len(body)
+
+
+def encode_safetensors(ctx: Any, results: list[dict[str, Any]], header: dict[str, Any], hidden: int,
+                       out: str) -> int:
+    """Every item of a request as one safetensors body into segment `out`; returns its length."""
+    from service.http import encoders
+
+    items = [view(r, hidden, encoders.DTYPES[header["dtype"]]) for r in results]
+    body = encoders.safetensors_body(items, **header)
+    _write(out, body)
+    return len(body)
+
+
+def write_encoder_cache(ctx: Any, root: str, item_id: str, ref: OutputRef, model: str, grid_thw: list[int]) -> None:
+    """An item's joined rows into the shared encoder-cache folder (vLLM's layout; atomic)."""
+    import json
+
+    from service.handoff.ec_storage import ECSharedStorage
+
+    ECSharedStorage(root).write(item_id, load_rows(ref), {"model": model, "grid_thw": json.dumps(grid_thw)})
+
+
+def _write(name: str, body: bytes) -> None:
+    segment = shm.create(name, len(body))
+    try:
+        segment[:len(body)] = body
+    finally:
+        segment.close()
+

@@ -1,0 +1,426 @@
+"""Worker processes for the host work of requests (decoding and preprocessing media, encoding responses),
+driven from the event loop.
+
+Why processes: media work runs on untrusted bytes. A runaway decode can be stopped at once and its
+memory returned by killing its process, and a crash in a decoder takes down one worker, not the server.
+Processes also spread the work over the host's cores, which threads under one GIL cannot.
+
+- Fairness: jobs queue per owner (one request). A free worker takes the next job of the waiting owner
+  with the fewest jobs running, so one request's many items cannot hold every worker while another
+  request waits.
+- Cancellation: cancelling an owner (its deadline passed, its client left) drops its queued jobs and
+  kills the workers running its jobs; a caller whose `call` is cancelled abandons that job the same way.
+  A killed worker is replaced at once (forked from a preloaded server process: milliseconds).
+- Memory: a worker whose resident memory passes `memory_limit` while it runs a job is killed, and the
+  job fails with `WorkerDied("memory")`.
+- A job may ask its caller a question mid-way (`JobContext.ask`): media jobs report their estimated
+  cost before decoding and wait for admission.
+
+Workers ignore SIGINT (the front drains, then stops them) and exit when the front goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger("vitserve.workers")
+
+WATCH_INTERVAL_S = 0.1
+# Imported once in the fork server, so a new worker starts with them already loaded.
+PRELOAD = ["service.workers.jobs"]
+
+
+class JobFailed(Exception):
+    """A job raised something other than an input problem: a bug; the traceback is logged."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class WorkerDied(Exception):
+    """The worker running the job exited: `reason` is "memory" (over its limit), "crash" or "stopped"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class Owner:
+    """The request jobs run for: the unit of fairness and of cancellation."""
+
+    name: str = ""
+    running: int = 0
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    owner: Owner
+    fn: str
+    args: tuple
+    future: asyncio.Future
+    on_ask: Callable[[Any], Any] | None
+    worker: _Worker | None = None
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    process: Any  # a multiprocessing process
+    conn: Connection
+    job: _Job | None = None
+    kill_reason: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class WorkerPool:
+    def __init__(self, size: int, *, memory_limit: int | None = None, name: str = "vitserve-worker") -> None:
+        if size < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {size}")
+        self.size = size
+        self.memory_limit = memory_limit
+        self.name = name
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)
+        self._workers: list[_Worker] = []
+        self._idle: deque[_Worker] = deque()
+        self._waiting: dict[Owner, deque[_Job]] = {}
+        self._ids = itertools.count()
+        self._indexes = itertools.count()
+        self._stopping = False
+        self._watch_handle: asyncio.TimerHandle | None = None
+        self.counters = {"jobs": 0, "killed_cancelled": 0, "killed_memory": 0, "crashed": 0, "restarts": 0}
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the workers; call from the event loop that will drive them."""
+        self.loop = asyncio.get_running_loop()
+        for _ in range(self.size):
+            self._spawn()
+        self._watch_handle = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
+
+    def _spawn(self) -> None:
+        assert self.loop is not None
+        parent_end, child_end = self._ctx.Pipe(duplex=True)
+        index = next(self._indexes)
+        process = self._ctx.Process(target=worker_main, args=(child_end, os.getpid()), daemon=True,
+                                    name=f"{self.name}-{index}")
+        process.start()
+        child_end.close()
+        worker = _Worker(index, process, parent_end)
+        self._workers.append(worker)
+        self.loop.add_reader(parent_end.fileno(), self._readable, worker)
+        self.loop.add_reader(process.sentinel, self._exited, worker)
+        self._idle.append(worker)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop every worker (jobs still running fail with WorkerDied("stopped"))."""
+        self._stopping = True
+        if self._watch_handle is not None:
+            self._watch_handle.cancel()
+        for owner in list(self._waiting):
+            self.cancel(owner)
+        for worker in list(self._workers):
+            self._forget(worker)
+            if worker.job is not None:
+                self._fail(worker.job, WorkerDied("stopped", "the server stopped"))
+            try:
+                worker.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for worker in list(self._workers):
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(1)
+            worker.conn.close()
+        self._workers.clear()
+        self._idle.clear()
+
+    # ---- the caller's side --------------------------------------------------------------------
+    async def call(self, owner: Owner, fn: str, *args: Any, on_ask: Callable[[Any], Any] | None = None) -> Any:
+        """Run `fn` ("module:function", called as fn(ctx, *args)) in a worker for `owner`; its return value.
+        Raises what the job raised if that pickles (input errors), JobFailed for other exceptions, and
+        WorkerDied if the worker exited. Cancelling the awaiting task abandons the job (its worker is killed)."""
+        if owner.cancelled:
+            raise asyncio.CancelledError()
+        if self._stopping or self.loop is None:
+            raise WorkerDied("stopped", "the server is stopping")
+        job = _Job(next(self._ids), owner, fn, args, self.loop.create_future(), on_ask)
+        self._waiting.setdefault(owner, deque()).append(job)
+        self.counters["jobs"] += 1
+        self._dispatch()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            self._abandon(job, "cancelled")
+            raise
+
+    def cancel(self, owner: Owner) -> None:
+        """Drop the owner's queued jobs and kill the workers running its jobs."""
+        owner.cancelled = True
+        for job in self._waiting.pop(owner, deque()):
+            if not job.future.done():
+                job.future.cancel()
+        for worker in self._workers:
+            if worker.job is not None and worker.job.owner is owner:
+                self._abandon(worker.job, "cancelled")
+
+    def _abandon(self, job: _Job, reason: str) -> None:
+        queue = self._waiting.get(job.owner)
+        if queue is not None and job in queue:
+            queue.remove(job)
+            if not queue:
+                del self._waiting[job.owner]
+        worker = job.worker
+        if worker is not None and worker.job is job and worker.kill_reason is None:
+            self._kill(worker, reason)
+        if not job.future.done():
+            job.future.cancel()
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while self._idle and self._waiting:
+            owner = min(self._waiting, key=lambda o: o.running)  # ties: the longest waiting (dict order)
+            queue = self._waiting[owner]
+            job = queue.popleft()
+            if not queue:
+                del self._waiting[owner]
+            if job.future.done():  # cancelled while queued
+                continue
+            worker = self._idle.popleft()
+            try:
+                worker.conn.send(("run", job.id, job.fn, job.args))
+            except (OSError, ValueError) as exc:  # it just died: its exit handler replaces it
+                self._fail(job, WorkerDied("crash", f"worker unavailable: {exc}"))
+                continue
+            worker.job, job.worker = job, worker
+            owner.running += 1
+
+    def _finish(self, worker: _Worker) -> _Job | None:
+        job = worker.job
+        worker.job = None
+        if job is not None:
+            job.worker = None
+            job.owner.running -= 1
+        return job
+
+    # ---- messages from workers ----------------------------------------------------------------
+    def _readable(self, worker: _Worker) -> None:
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            self._forget_reader(worker)
+            return  # the process exited: `_exited` handles it
+        kind = message[0]
+        job = worker.job
+        if job is None or message[1] != job.id:
+            return  # a reply for a job already abandoned
+        if kind == "ask":
+            self._answer(worker, job, message[2])
+            return
+        self._finish(worker)
+        if kind == "done":
+            if not job.future.done():
+                job.future.set_result(message[2])
+        elif kind == "raised":
+            self._fail(job, message[2])
+        else:  # "failed": message, traceback
+            log.error("worker job %s failed: %s\n%s", job.fn, message[2], message[3])
+            self._fail(job, JobFailed(message[2], message[3]))
+        if worker.kill_reason is None:
+            self._idle.append(worker)
+        self._dispatch()
+
+    def _answer(self, worker: _Worker, job: _Job, question: Any) -> None:
+        try:
+            reply: Any = ("reply", job.on_ask(question) if job.on_ask else None)
+        except BaseException as exc:  # the caller refused (e.g. admission): the job stops there
+            reply = ("abort",)
+            self._fail(job, exc)
+        try:
+            worker.conn.send(reply)
+        except (OSError, ValueError):
+            pass
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        if not job.future.done():
+            job.future.set_exception(exc)
+
+    # ---- deaths and kills ---------------------------------------------------------------------
+    def _kill(self, worker: _Worker, reason: str) -> None:
+        worker.kill_reason = reason
+        self.counters[f"killed_{reason}"] = self.counters.get(f"killed_{reason}", 0) + 1
+        try:
+            worker.process.kill()
+        except (OSError, ValueError):
+            pass
+
+    def _forget_reader(self, worker: _Worker) -> None:
+        if self.loop is not None and not worker.conn.closed:
+            try:
+                self.loop.remove_reader(worker.conn.fileno())
+            except (OSError, ValueError):
+                pass
+
+    def _forget(self, worker: _Worker) -> None:
+        self._forget_reader(worker)
+        if self.loop is not None:
+            try:
+                self.loop.remove_reader(worker.process.sentinel)
+            except (OSError, ValueError):
+                pass
+        if worker in self._idle:
+            self._idle.remove(worker)
+
+    def _exited(self, worker: _Worker) -> None:
+        self._forget(worker)
+        worker.process.join(1)
+        if worker in self._workers:
+            self._workers.remove(worker)
+        worker.conn.close()
+        job = self._finish(worker)
+        reason = worker.kill_reason or "crash"
+        if reason == "crash":
+            self.counters["crashed"] += 1
+            log.warning("worker %s exited with code %s%s", worker.index, worker.process.exitcode,
+                        f" while running {job.fn}" if job else "")
+        if job is not None:
+            message = {"memory": f"the item needed more than {self._limit_text()} of memory to process",
+                       "crash": "the worker processing the item crashed",
+                       "cancelled": "cancelled"}.get(reason, reason)
+            self._fail(job, WorkerDied(reason, message))
+        if not self._stopping:
+            self.counters["restarts"] += 1
+            self._spawn()
+            self._dispatch()
+
+    def _limit_text(self) -> str:
+        return f"{self.memory_limit / 2**20:.0f} MiB" if self.memory_limit else "the limit"
+
+    def _watch(self) -> None:
+        """Kill a worker whose job passed the memory limit."""
+        if self._stopping or self.loop is None:
+            return
+        if self.memory_limit:
+            for worker in self._workers:
+                if worker.job is not None and worker.kill_reason is None:
+                    rss = resident_bytes(worker.process.pid)
+                    if rss is not None and rss > self.memory_limit:
+                        log.warning("worker %s uses %.0f MiB running %s: killed", worker.index, rss / 2**20,
+                                    worker.job.fn)
+                        self._kill(worker, "memory")
+        self._watch_handle = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"workers": len(self._workers), "busy": sum(w.job is not None for w in self._workers),
+                "queued": sum(len(q) for q in self._waiting.values()), **self.counters}
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes(pid: int | None) -> int | None:
+    """Resident memory of a process from /proc (None where unavailable)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ---- the worker process -------------------------------------------------------------------------
+class JobContext:
+    """What a job function gets besides its arguments: a way to ask the front and wait for the answer."""
+
+    def __init__(self, conn: Connection, job_id: int) -> None:
+        self._conn, self._job_id = conn, job_id
+
+    def ask(self, question: Any) -> Any:
+        """Send `question` to the caller's `on_ask` and return its answer; raises Aborted if it refused."""
+        self._conn.send(("ask", self._job_id, question))
+        reply = self._conn.recv()
+        if reply[0] == "abort":
+            raise Aborted()
+        return reply[1]
+
+
+class Aborted(Exception):
+    """The caller refused a job's question: the job stops without a result."""
+
+
+def worker_main(conn: Connection, front_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        os.nice(5)  # the event loop and the engines win the cores when they are contended
+    except OSError:
+        pass
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent, front_pid), daemon=True).start()
+    functions: dict[str, Callable[..., Any]] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message[0] == "stop":
+            break
+        if message[0] != "run":
+            continue  # a stale reply to an abandoned question
+        _, job_id, fn_path, args = message
+        try:
+            fn = functions.get(fn_path) or functions.setdefault(fn_path, _resolve(fn_path))
+            result = fn(JobContext(conn, job_id), *args)
+            conn.send(("done", job_id, result))
+        except Aborted:
+            conn.send(("done", job_id, None))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
+            if getattr(exc, "client_error", False):
+                conn.send(("raised", job_id, exc))
+            else:
+                conn.send(("failed", job_id, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    os._exit(0)
+
+
+def _resolve(path: str) -> Callable[..., Any]:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _exit_with_parent(parent: int, front_pid: int) -> None:
+    # The front killed outright cannot stop us; its fork server exits with it, which re-parents us.
+    while os.getppid() == parent and _alive(front_pid):
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
