@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from models.protocol import Capacity
 
 MIN_LENGTH_CLASS = 64  # patches: segments up to 64 patches (an 8x8-patch frame) share the lowest class
+# Items per batch unless set: enough that a full budget of small images is one batch (the limit was the
+# smallest budget, 64: 128 images of 224x224 then made two batches and twice the padding).
+DEFAULT_MAX_ITEMS = 256
 MODALITIES = ("image", "video")
 
 
@@ -71,9 +74,9 @@ class BudgetPlan:
         chosen = sorted(set(budgets)) if budgets else auto_budgets(max_batch_tokens, min(64, max_batch_tokens))
         if chosen[0] < 1:
             raise BudgetError(f"--budgets must be positive token counts, got {chosen}")
-        items = chosen[0] if max_items is None else max_items
-        if not 1 <= items <= chosen[0]:
-            raise BudgetError(f"--max-batch-items must be between 1 and the smallest budget ({chosen[0]}), got {items}")
+        items = min(DEFAULT_MAX_ITEMS, chosen[-1]) if max_items is None else max_items
+        if not 1 <= items <= chosen[-1]:
+            raise BudgetError(f"--max-batch-items must be between 1 and the largest budget ({chosen[-1]}), got {items}")
         if t_capture < 1:
             raise BudgetError(f"--t-capture must be at least 1, got {t_capture}")
         return cls(tuple(chosen), items, merge_unit, t_capture, max_segment_patches, windows, window_patches)

@@ -74,7 +74,6 @@ def pack(items: Sequence[PackItem], plan: BudgetPlan, cost: CostModel | None = N
          failed: frozenset[GraphKey] | set[GraphKey] = frozenset()) -> list[Batch]:
     """Batches of `items` (indices into it), each with its graph key or its eager reason. Without a
     `cost` (the CPU, or before calibration) batches are never split nor sent eagerly for padding."""
-    replay_overhead = cost.replay_overhead_tokens if cost else None
     batches: list[Batch] = []
     groups: dict[tuple[str, int], list[int]] = {}
     for i, item in enumerate(items):
@@ -87,7 +86,7 @@ def pack(items: Sequence[PackItem], plan: BudgetPlan, cost: CostModel | None = N
     for (modality, length_class), members in sorted(groups.items()):
         members.sort(key=lambda i: (items[i].tokens, i))
         top = plan.capacity(GraphKey(modality, plan.max_budget, length_class))
-        group = _Group(items, plan, modality, length_class, replay_overhead)
+        group = _Group(items, plan, modality, length_class, cost)
         open_batch: list[int] = []
         tokens = segments = 0
         for i in members:
@@ -105,22 +104,9 @@ def pack(items: Sequence[PackItem], plan: BudgetPlan, cost: CostModel | None = N
         if open_batch:
             batches += group.close(open_batch)
     for batch in batches:
-        if batch.key is not None and batch.reason is None:
-            batch.reason = eager_instead(batch, plan, cost, failed)
+        if batch.key in failed and batch.reason is None:
+            batch.reason = "capture_failed"
     return batches
-
-
-def eager_instead(batch: Batch, plan: BudgetPlan, cost: CostModel | None,
-                  failed: frozenset[GraphKey] | set[GraphKey]) -> str | None:
-    """Why a batch that fits a graph should run eagerly anyway, or None to replay it."""
-    assert batch.key is not None
-    if batch.key in failed:
-        return "capture_failed"
-    if cost is not None:
-        patches = batch.tokens * plan.merge_unit
-        if max(patches, cost.launch_bound_patches) < PADDING_MARGIN * plan.capacity(batch.key).patches:
-            return "padding"
-    return None
 
 
 @dataclass
@@ -131,7 +117,7 @@ class _Group:
     plan: BudgetPlan
     modality: str
     length_class: int
-    replay_overhead: float | None
+    cost: CostModel | None
 
     def fit(self, members: list[int]) -> Batch:
         batch = Batch(None, sorted(members, key=lambda i: (self.items[i].tokens, i)))
@@ -139,29 +125,42 @@ class _Group:
         batch.segments = sum(self.items[i].segments for i in members)
         return _fit(batch, self.plan, self.modality, self.length_class)
 
+    def price(self, batch: Batch) -> float:
+        """GPU time of a batch in tokens: its budget plus one replay overhead, or its own tokens (at least
+        the launch-bound floor) when it runs eagerly."""
+        assert self.cost is not None and batch.key is not None
+        if batch.reason == "padding":
+            return max(batch.tokens, self.cost.launch_bound_patches / self.plan.merge_unit)
+        return batch.key.budget + self.cost.replay_overhead_tokens
+
     def close(self, members: list[int]) -> list[Batch]:
-        """One batch in the smallest budget that holds it, or parts of it in smaller budgets where
-        their replays cost less: the largest items first fill the next budget down, and the rest is
-        closed the same way."""
+        """The cheapest way to run these items: one replay in the smallest budget that holds them;
+        parts of them replayed in smaller budgets (the largest items first fill the next budget down,
+        the rest is closed the same way); or one eager forward at their exact size ("padding"), which
+        must beat the best replay by `PADDING_MARGIN`. Without measured costs: one replay."""
         whole = self.fit(members)
         assert whole.key is not None
+        if self.cost is None:
+            return [whole]
+        best = [whole]
         smaller = [b for b in self.plan.budgets if b < whole.key.budget]
-        if self.replay_overhead is None or len(members) < 2 or not smaller:
-            return [whole]
-        head: list[int] = []
-        rest: list[int] = []
-        tokens = 0
-        for i in sorted(members, key=lambda i: (-self.items[i].tokens, i)):
-            if tokens + self.items[i].tokens <= smaller[-1]:
-                head.append(i)
-                tokens += self.items[i].tokens
-            else:
-                rest.append(i)
-        if not head or not rest:
-            return [whole]
-        parts = [self.fit(head), *self.close(rest)]
-        cost = sum(p.key.budget + self.replay_overhead for p in parts)  # type: ignore[union-attr]
-        return parts if cost < whole.key.budget + self.replay_overhead else [whole]
+        if len(members) > 1 and smaller:
+            head: list[int] = []
+            rest: list[int] = []
+            tokens = 0
+            for i in sorted(members, key=lambda i: (-self.items[i].tokens, i)):
+                if tokens + self.items[i].tokens <= smaller[-1]:
+                    head.append(i)
+                    tokens += self.items[i].tokens
+                else:
+                    rest.append(i)
+            if head and rest:
+                parts = [self.fit(head), *self.close(rest)]
+                if sum(map(self.price, parts)) < self.price(whole):
+                    best = parts
+        replays = sum(self.price(b) for b in best)
+        eager = Batch(whole.key, whole.items, whole.tokens, whole.segments, "padding")
+        return [eager] if self.price(eager) < PADDING_MARGIN * replays else best
 
 
 def _fit(batch: Batch, plan: BudgetPlan, modality: str, length_class: int) -> Batch:

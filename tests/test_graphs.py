@@ -32,13 +32,13 @@ def test_auto_budgets_are_powers_of_two_plus_the_maximum():
     assert auto_budgets(16384) == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
     assert auto_budgets(1000) == [64, 128, 256, 512, 1000]
     plan = BudgetPlan.create(max_batch_tokens=1000)
-    assert plan.max_items == 64 and plan.max_budget == 1000
+    assert plan.max_items == 256 and plan.max_budget == 1000
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_batch_tokens=0), "max-batch-tokens"),
     (dict(budgets=[0, 64]), "budgets"),
-    (dict(max_items=65), "max-batch-items"),
+    (dict(max_items=16385), "max-batch-items"),
     (dict(t_capture=0), "t-capture"),
 ])
 def test_invalid_settings_are_refused_with_the_flag_to_change(kwargs, message):

@@ -50,7 +50,7 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
                             "VITSERVE_API_KEY variable: flags show in process lists)")),
     ("--log-level", dict(help="critical | error | warning | info | debug | trace (default info)")),
     ("--eager", dict(action=argparse.BooleanOptionalAction, help="no CUDA graphs: eager PyTorch only")),
-    ("--max-batch-items", dict(type=int, help="items per batch (default: the smallest budget)")),
+    ("--max-batch-items", dict(type=int, help="items per batch (default 256, at most the largest budget)")),
     ("--max-items-per-request", dict(type=int, help="items per request, 422 above (default 64)")),
     ("--preprocess-workers", dict(type=int, help="worker processes that decode and preprocess media and encode "
                                                  "responses (default: the cores but two, from 2 to 16)")),

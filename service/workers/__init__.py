@@ -1,0 +1,1 @@
+"""Host work of requests in worker processes: the pool (`pool`) and what runs in it (`jobs`)."""
