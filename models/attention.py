@@ -8,7 +8,6 @@ bound holds. Rows outside every segment are left unspecified.
 - `varlen`: torch's FlashAttention-2 varlen kernel (CUDA only): the baseline and the fallback.
 - `cudnn`: cuDNN's fused attention in its ragged layout through cudnn-frontend (models/attention_cudnn.py);
   on Hopper, cuDNN runs head dims 72 and 80 well ahead of FlashAttention-2. Needs the `cuda` extra.
-- `triton`: this project's varlen flash-attention kernel (models/attention_triton.py).
 - `sdpa`: one SDPA call per segment, reading the boundaries on the host; fine on the CPU, where
   there is no graph and no sync to avoid.
 
@@ -28,10 +27,9 @@ import torch.nn.functional as F
 
 log = logging.getLogger("vitserve.models")
 
-BACKENDS = ("auto", "varlen", "cudnn", "triton", "sdpa")
-CUDA_ONLY = ("varlen", "cudnn", "triton")
-# Tried in order by `auto` on CUDA. The Triton kernel is served only on request until the device
-# probe (tools/attention_probe.py) shows it ahead of varlen_attn.
+BACKENDS = ("auto", "varlen", "cudnn", "sdpa")
+CUDA_ONLY = ("varlen", "cudnn")
+# Tried in order by `auto` on CUDA.
 AUTO_ORDER = ("cudnn",)
 CHECK_TOLERANCE = 1e-2  # relative difference to varlen_attn, as for the fused kernels
 
@@ -77,10 +75,6 @@ def packed_attention(
         from models.attention_cudnn import cudnn_attention
 
         return cudnn_attention(q, k, v, cu_seqlens, max_seqlen)
-    if backend == "triton":
-        from models.attention_triton import triton_attention
-
-        return triton_attention(q, k, v, cu_seqlens, max_seqlen)
     if backend == "varlen":
         from torch.nn.attention.varlen import varlen_attn
 

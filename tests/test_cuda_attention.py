@@ -1,6 +1,6 @@
-"""GPU only: the fast attention backends (cuDNN, Triton) against varlen_attn and against per-segment
+"""GPU only: the fast attention backend (cuDNN) against varlen_attn and against per-segment
 SDPA in float32, eagerly and inside captured CUDA graphs replayed with new boundaries, at the
-towers' head dims; then whole towers served by them through the graph pool.
+towers' head dims; then whole towers served by it through the graph pool.
 
 Run on the GPU machine: `pytest -m cuda tests/test_cuda_attention.py`. A backend that cannot run
 there (cudnn-frontend not installed) is skipped with the reason.
@@ -15,19 +15,14 @@ from models.attention import check_backend, packed_attention, resolve_backend, s
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
-FAST = ["cudnn", "triton"]
+FAST = ["cudnn"]
 HEADS = 16
 
 
 def need(backend: str) -> None:
-    if backend == "cudnn":
-        from models import attention_cudnn
+    from models import attention_cudnn
 
-        reason = attention_cudnn.available()
-    else:
-        from models import attention_triton
-
-        reason = None if attention_triton.HAVE_TRITON else "Triton is not installed"
+    reason = attention_cudnn.available() if backend == "cudnn" else None
     if reason:
         pytest.skip(f"{backend}: {reason}")
 
