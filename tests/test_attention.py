@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.attention import BACKENDS, check_backend_name, packed_attention, resolve_backend, sdpa_per_segment
+from models.attention import (
+    BACKENDS,
+    CHECK_MAX_SEQLEN,
+    SHORT_SEQLEN,
+    check_backend_name,
+    kernel_for,
+    packed_attention,
+    resolve_backend,
+    sdpa_per_segment,
+)
 from models.attention_cudnn import fill_ragged_metadata, plan_key, ragged_metadata_torch, size_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +109,71 @@ def test_sdpa_per_segment_leaves_padding_segments_out() -> None:
     out = packed_attention("sdpa", q, k, v, bounds, 5)
     assert torch.equal(out, sdpa_per_segment(q, k, v, bounds))
     assert torch.equal(out[9:], torch.zeros_like(out[9:]))
+
+
+# ---- short segments: the cudnn backend hands them to varlen_attn ----------------------------------
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch) -> list[tuple[str, int]]:
+    """varlen_attn and cuDNN replaced by SDPA per segment; each call is recorded as (kernel, bound)."""
+    import torch.nn.attention.varlen as varlen_module
+
+    from models import attention_cudnn
+
+    calls: list[tuple[str, int]] = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+        assert cu_q is cu_k and max_q == max_k
+        calls.append(("varlen", max_q))
+        return sdpa_per_segment(q, k, v, cu_q)
+
+    def cudnn(q, k, v, cu_seqlens, max_seqlen):
+        calls.append(("cudnn", max_seqlen))
+        return sdpa_per_segment(q, k, v, cu_seqlens)
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", varlen)
+    monkeypatch.setattr(attention_cudnn, "cudnn_attention", cudnn)
+    return calls
+
+
+def test_short_bounds_pick_varlen_under_cudnn_only() -> None:
+    assert SHORT_SEQLEN == 64  # Qwen2.5-VL's windows: 8 x 8 patches
+    bounds = [1, 16, 63, 64, 65, 256, 1024, 5184]
+    assert [kernel_for("cudnn", n) for n in bounds] == ["varlen"] * 4 + ["cudnn"] * 4
+    assert [kernel_for("varlen", n) for n in bounds] == ["varlen"] * len(bounds)
+    assert [kernel_for("sdpa", n) for n in bounds] == ["sdpa"] * len(bounds)
+    assert CHECK_MAX_SEQLEN > SHORT_SEQLEN  # the load-time check runs cuDNN itself
+
+
+@pytest.mark.parametrize("max_seqlen, kernel", [(8, "varlen"), (64, "varlen"), (65, "cudnn"), (512, "cudnn")])
+def test_packed_attention_dispatches_on_the_bound(fake_kernels: list, max_seqlen: int, kernel: str) -> None:
+    q, k, v = qkv_like_the_towers(40, 2, 16, torch.float32)
+    bounds = cu([8, 0, 8, 3], slots=6)
+    out = packed_attention("cudnn", q, k, v, bounds, max_seqlen)
+    assert fake_kernels == [(kernel, max_seqlen)]
+    assert torch.equal(out, sdpa_per_segment(q, k, v, bounds))
+
+
+def test_a_cudnn_tower_runs_its_windows_through_varlen(fake_kernels: list) -> None:
+    """The rule lives in the dispatch, so a tower needs nothing of its own: Qwen2.5-VL under the cudnn
+    backend sends its window layers (bound 64) to varlen_attn and its full-attention layer (one
+    image of 192 patches) to cuDNN, with the tower's results unchanged."""
+    import numpy as np
+
+    from graphs.runner import GraphRunner, plan_for
+    from models import load_tower
+
+    tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="float32")
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), use_graphs=False)
+    grid = (1, 16, 12)
+    pixels = np.random.default_rng(0).integers(0, 256, (192, tower.processor.patch_dim), dtype=np.uint8)
+    ref = runner.eager(pixels, [grid]).embeds
+    assert fake_kernels == []
+    tower.set_attention("cudnn")
+    got = runner.eager(pixels, [grid]).embeds
+    assert fake_kernels == [("varlen", 64), ("cudnn", 192), ("varlen", 64)]  # full attention in block 1
+    assert torch.equal(got, ref)
 
 
 # ---- the cuDNN backend, without cuDNN -------------------------------------------------------------

@@ -2,7 +2,9 @@
 attention through cudnn-frontend (eager, with the plan build timed, and captured in a CUDA graph
 replayed after the boundaries change), and dense SDPA (cuDNN and flash backends) where every
 segment has one length, as references. Head dims 80 (Qwen2/2.5-VL) and 72 (Qwen3-VL), 16 heads,
-bf16, on the towers' workloads.
+bf16, on the towers' workloads. The cuDNN candidates call models/attention_cudnn.py directly, so
+they measure cuDNN on Qwen2.5-VL's windows too, which the cudnn backend hands to varlen_attn
+(`SHORT_SEQLEN` in models/attention.py): a run re-checks that rule.
 
     python tools/attention_probe.py [OUT.json]        (default: $OUT/attention_probe.json)
 
