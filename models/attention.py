@@ -8,7 +8,12 @@ bound holds. Rows outside every segment are left unspecified.
 - `varlen`: torch's FlashAttention-2 varlen kernel (CUDA only): the baseline and the fallback.
 - `cudnn`: cuDNN's fused attention in its ragged layout through cudnn-frontend (models/attention_cudnn.py);
   on Hopper, cuDNN runs head dims 72 and 80 well ahead of FlashAttention-2. Needs the `cuda` extra.
-- `triton`: this project's varlen flash-attention kernel (models/attention_triton.py).
+  Short segments are the exception: a call whose bound `max_seqlen` is at most `SHORT_SEQLEN` (64
+  patches: Qwen2.5-VL's windows) runs varlen_attn, which was faster there (H200, bf16, 16 heads,
+  captured; 8 images 1344x756 as 672 windows: 0.25 ms against cuDNN's 0.36 at head dim 80, 0.26
+  against 0.37 at 72), while cuDNN led at every bound measured from 256 up (32 x 256: 0.059 against
+  0.064 ms). The bound is a Python int fixed at capture, so the choice is made on the host and a
+  graph keeps it.
 - `sdpa`: one SDPA call per segment, reading the boundaries on the host; fine on the CPU, where
   there is no graph and no sync to avoid.
 
@@ -28,10 +33,12 @@ import torch.nn.functional as F
 
 log = logging.getLogger("vitserve.models")
 
-BACKENDS = ("auto", "varlen", "cudnn", "triton", "sdpa")
-CUDA_ONLY = ("varlen", "cudnn", "triton")
-# Tried in order by `auto` on CUDA. The Triton kernel is served only on request until the device
-# probe (tools/attention_probe.py) shows it ahead of varlen_attn.
+BACKENDS = ("auto", "varlen", "cudnn", "sdpa")
+CUDA_ONLY = ("varlen", "cudnn")
+# The cudnn backend hands calls whose bound is at most this many rows to varlen_attn: on Qwen2.5-VL's
+# windows it took 0.25 ms against cuDNN's 0.36 (H200, head dim 80, captured; see the docstring).
+SHORT_SEQLEN = 64
+# Tried in order by `auto` on CUDA.
 AUTO_ORDER = ("cudnn",)
 CHECK_TOLERANCE = 1e-2  # relative difference to varlen_attn, as for the fused kernels
 
@@ -69,19 +76,23 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.
     return "varlen"
 
 
+def kernel_for(backend: str, max_seqlen: int) -> str:
+    """The kernel that runs a call of `backend` whose segments are at most `max_seqlen` rows long."""
+    if backend == "cudnn" and max_seqlen <= SHORT_SEQLEN:
+        return "varlen"
+    return backend
+
+
 def packed_attention(
     backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
     """q, k, v: [tokens, heads, head_dim]. Rows outside every segment are left unspecified."""
-    if backend == "cudnn":
+    kernel = kernel_for(backend, max_seqlen)
+    if kernel == "cudnn":
         from models.attention_cudnn import cudnn_attention
 
         return cudnn_attention(q, k, v, cu_seqlens, max_seqlen)
-    if backend == "triton":
-        from models.attention_triton import triton_attention
-
-        return triton_attention(q, k, v, cu_seqlens, max_seqlen)
-    if backend == "varlen":
+    if kernel == "varlen":
         from torch.nn.attention.varlen import varlen_attn
 
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
@@ -102,7 +113,8 @@ def sdpa_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 # ---- the load-time self-check ---------------------------------------------------------------------
 
 # Two layouts of one capacity (8 segments, 1024 rows, longest 512): ragged, with zero-length
-# padding segments, a segment of one row and rows outside every segment.
+# padding segments, a segment of one row and rows outside every segment. The bound is above
+# SHORT_SEQLEN, so the check runs the backend's own kernel.
 CHECK_LAYOUTS = ([300, 0, 77, 512, 1, 0, 0, 0], [64, 64, 500, 9, 233, 17, 0, 0])
 CHECK_ROWS, CHECK_MAX_SEQLEN = 1024, 512
 

@@ -38,7 +38,7 @@ def add_encode_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="model dtype: auto | bfloat16 | float16 | float32")
     p.add_argument("--output-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     # the backends of models.attention.BACKENDS (not imported here: that pulls in torch)
-    p.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn", "triton", "sdpa"],
+    p.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn", "sdpa"],
                    help="attention backend (auto: cuDNN when it passes its load-time check, else varlen_attn, "
                         "on CUDA; SDPA per segment on the CPU)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)

@@ -1,6 +1,7 @@
-"""GPU only: the fast attention backends (cuDNN, Triton) against varlen_attn and against per-segment
+"""GPU only: the fast attention backend (cuDNN) against varlen_attn and against per-segment
 SDPA in float32, eagerly and inside captured CUDA graphs replayed with new boundaries, at the
-towers' head dims; then whole towers served by them through the graph pool.
+towers' head dims; Qwen2.5-VL's windows, which the backend hands to varlen_attn (bound <= 64); then
+whole towers served by it through the graph pool.
 
 Run on the GPU machine: `pytest -m cuda tests/test_cuda_attention.py`. A backend that cannot run
 there (cudnn-frontend not installed) is skipped with the reason.
@@ -15,19 +16,14 @@ from models.attention import check_backend, packed_attention, resolve_backend, s
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
-FAST = ["cudnn", "triton"]
+FAST = ["cudnn"]
 HEADS = 16
 
 
 def need(backend: str) -> None:
-    if backend == "cudnn":
-        from models import attention_cudnn
+    from models import attention_cudnn
 
-        reason = attention_cudnn.available()
-    else:
-        from models import attention_triton
-
-        reason = None if attention_triton.HAVE_TRITON else "Triton is not installed"
+    reason = attention_cudnn.available() if backend == "cudnn" else None
     if reason:
         pytest.skip(f"{backend}: {reason}")
 
@@ -61,6 +57,20 @@ def references(q, k, v, bounds: list[int], max_seqlen: int):
     fast = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen)[:real]
     exact = sdpa_per_segment(q.float(), k.float(), v.float(), cu)[:real]
     return fast, exact
+
+
+def capture(call):
+    """A CUDA graph of `call()` (run once on a side stream first: plans and compilation happen outside
+    the capture) and its static output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
 
 
 # Layouts of one capacity (12 segments, 4096 rows, longest 1024): ragged with zero-length padding,
@@ -97,14 +107,7 @@ def test_captured_graph_reads_new_boundaries(backend: str, dim: int) -> None:
     need(backend)
     q, k, v = inputs(ROWS, dim, seed=1)
     cu = torch.tensor(bounds_of(LAYOUTS[0], SLOTS), dtype=torch.int32, device=DEV)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        packed_attention(backend, q, k, v, cu, MAX)  # plans and compilation happen outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = packed_attention(backend, q, k, v, cu, MAX)
+    graph, out = capture(lambda: packed_attention(backend, q, k, v, cu, MAX))
     for lengths in LAYOUTS + LAYOUTS[:1]:
         bounds = bounds_of(lengths, SLOTS)
         cu.copy_(torch.tensor(bounds, dtype=torch.int32))
@@ -116,6 +119,50 @@ def test_captured_graph_reads_new_boundaries(backend: str, dim: int) -> None:
         assert rel(got, exact) < max(1e-2, 2 * rel(fast, exact))
         eager = packed_attention(backend, q, k, v, cu, MAX)[: bounds[-1]]
         assert torch.equal(got, eager), lengths  # the same kernel on the same data: bit-identical
+
+
+def windows_of(*frames: tuple[int, int]) -> list[int]:
+    """Qwen2.5-VL's window lengths (8 x 8 patches, smaller at the edges) of frames of h x w patches."""
+    from models.qwen2_5_vl import window_layout
+
+    return [int(n) for h, w in frames for n in window_layout(h, w, 2, 4)[1]]
+
+
+# Windows in one capacity (192 windows, 10368 rows, bound 64): two 1344x756 images (54 x 96 patches,
+# 168 windows), then other frames with other edges, then a small batch after the large one.
+WINDOW_SLOTS, WINDOW_ROWS, WINDOW_MAX = 192, 2 * 54 * 96, 64
+WINDOW_LAYOUTS = [windows_of((54, 96), (54, 96)), windows_of((32, 32), (20, 34), (54, 96)), windows_of((6, 10))]
+
+
+@pytest.mark.parametrize("dim", [80, 72])
+def test_windows_through_the_cudnn_backend(dim: int) -> None:
+    """The cudnn backend hands window-sized calls to varlen_attn: eagerly and from a captured graph
+    replayed over other window layouts its output is varlen_attn's, bit for bit. cuDNN's own kernel on
+    the same windows (what the backend would run above the bound) stays as close to float32."""
+    need("cudnn")
+    from models import attention_cudnn
+    from models.attention import SHORT_SEQLEN
+
+    assert WINDOW_MAX <= SHORT_SEQLEN
+    assert all(max(lengths) <= WINDOW_MAX and len(lengths) <= WINDOW_SLOTS and sum(lengths) <= WINDOW_ROWS
+               for lengths in WINDOW_LAYOUTS)
+    q, k, v = inputs(WINDOW_ROWS, dim, seed=2)
+    cu = torch.tensor(bounds_of(WINDOW_LAYOUTS[0], WINDOW_SLOTS), dtype=torch.int32, device=DEV)
+    graph, out = capture(lambda: packed_attention("cudnn", q, k, v, cu, WINDOW_MAX))
+    for lengths in WINDOW_LAYOUTS + WINDOW_LAYOUTS[:1]:
+        bounds = bounds_of(lengths, WINDOW_SLOTS)
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        real = bounds[-1]
+        fast, exact = references(q, k, v, bounds, WINDOW_MAX)
+        assert torch.equal(out[:real], fast), lengths
+        assert torch.equal(packed_attention("cudnn", q, k, v, cu, WINDOW_MAX)[:real], fast), lengths
+        assert rel(fast, exact) < 1e-2
+        direct = attention_cudnn.cudnn_attention(q, k, v, cu, WINDOW_MAX)[:real]
+        assert torch.isfinite(direct).all()
+        assert rel(direct, fast) < 1e-2, (lengths, rel(direct, fast))
+        assert rel(direct, exact) < max(1e-2, 2 * rel(fast, exact)), (lengths, rel(direct, exact))
 
 
 @pytest.mark.parametrize("dim", [80, 72, 64])
@@ -137,7 +184,8 @@ def test_load_time_check(dim: int) -> None:
 @pytest.mark.parametrize("backend", FAST)
 def test_tower_graphs_with_backend(backend: str, model: str) -> None:
     """A whole tower served by the backend through captured graphs (Qwen2.5-VL: windows of up to 64
-    patches with smaller edge windows) stays as close to float32 as the varlen_attn eager forward."""
+    patches with smaller edge windows, which run varlen_attn under the short-segment rule) stays as
+    close to float32 as the varlen_attn eager forward."""
     need(backend)
     from graphs.runner import GraphRunner, plan_for
     from models import load_tower

@@ -1,15 +1,17 @@
 """Attention backends on the GPU, side by side: varlen_attn (FlashAttention-2), cuDNN's ragged
 attention through cudnn-frontend (eager, with the plan build timed, and captured in a CUDA graph
-replayed after the boundaries change), the Triton varlen kernel in each launch config, and dense
-SDPA (cuDNN and flash backends) where every segment has one length, as references. Head dims 80
-(Qwen2/2.5-VL) and 72 (Qwen3-VL), 16 heads, bf16, on the towers' workloads.
+replayed after the boundaries change), and dense SDPA (cuDNN and flash backends) where every
+segment has one length, as references. Head dims 80 (Qwen2/2.5-VL) and 72 (Qwen3-VL), 16 heads,
+bf16, on the towers' workloads. The cuDNN candidates call models/attention_cudnn.py directly, so
+they measure cuDNN on Qwen2.5-VL's windows too, which the cudnn backend hands to varlen_attn
+(`SHORT_SEQLEN` in models/attention.py): a run re-checks that rule.
 
     python tools/attention_probe.py [OUT.json]        (default: $OUT/attention_probe.json)
 
 Each family of candidates runs in a child process of its own with a time budget, so a crash, a
 poisoned CUDA context or a hang in one costs only its own results; inside a child every candidate
 is guarded (its error and traceback are recorded and the run goes on) and a deadline skips what is
-left. The whole run ends within about three minutes. Times are CUDA-event medians of 15 samples
+left. The whole run ends within about two minutes. Times are CUDA-event medians of 15 samples
 after warm-up (several calls per sample for short kernels); TFLOP/s counts 4 * sum(L_i^2) * H * D;
 differences are to varlen_attn over the rows inside segments.
 """
@@ -32,7 +34,7 @@ HEADS = 16
 HEAD_DIMS = (80, 72)
 DEVICE = "cuda"
 # child -> seconds it may spend measuring (its process is killed GRACE_S after that)
-CHILDREN = {"reference": 20, "cudnn": 45, "triton": 50}
+CHILDREN = {"reference": 20, "cudnn": 45}
 GRACE_S = 20
 
 
@@ -253,13 +255,6 @@ def run_child(name: str, out_path: Path, budget_s: float) -> None:
             info["cudnn_backend"] = cudnn.backend_version()
         except Exception as exc:  # noqa: BLE001
             info["cudnn_import_error"] = f"{type(exc).__name__}: {exc}"
-    if name == "triton":
-        try:
-            import triton
-
-            info["triton"] = triton.__version__
-        except Exception as exc:  # noqa: BLE001
-            info["triton_import_error"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(info), flush=True)
     save()
 
@@ -279,10 +274,8 @@ def run_child(name: str, out_path: Path, budget_s: float) -> None:
                 continue
             if name == "reference":
                 reference_candidates(w, record)
-            elif name == "cudnn":
-                cudnn_candidates(w, record)
             else:
-                triton_candidates(w, record)
+                cudnn_candidates(w, record)
             del w
             torch.cuda.empty_cache()
     if name == "cudnn":
@@ -344,20 +337,6 @@ def cudnn_candidates(w: Workload, record) -> None:
     record(w, "cudnn", eager)
     record(w, "cudnn:graph", lambda: graph_record(
         w, lambda cu: attention_cudnn.cudnn_attention(w.q, w.k, w.v, cu, w.max_seqlen)))
-
-
-def triton_candidates(w: Workload, record) -> None:
-    from models import attention_triton
-
-    for config in attention_triton.CONFIGS:
-        def run(config=config) -> dict:
-            call = lambda: attention_triton.triton_attention(w.q, w.k, w.v, w.cu, w.max_seqlen, config)  # noqa: E731
-            first = wall_ms(call)
-            return {"ms": cuda_ms(call), "first_call_ms": round(first, 1), **w.diff(call())}
-
-        record(w, f"triton:{config}", run)
-    record(w, f"triton:{attention_triton.DEFAULT_CONFIG}:graph", lambda: graph_record(
-        w, lambda cu: attention_triton.triton_attention(w.q, w.k, w.v, cu, w.max_seqlen)))
 
 
 # ---- the parent ------------------------------------------------------------------------------------

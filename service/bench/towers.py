@@ -2,7 +2,9 @@
 side in one process on one GPU, on the same random-weight preset and the same inputs, with the
 floor (the tower's matrix products and attention calls alone, replayed as one graph) and MFU
 against a bf16 matmul measured in the same run. The floor is measured twice: with varlen_attn (the
-design notes' reference) and with the attention backend the tower serves with (`floor_best`)."""
+design notes' reference) and with the attention backend the tower serves with (`floor_best`), which
+runs calls of short segments (Qwen2.5-VL's windows) through varlen_attn as the tower does
+(models/attention.py, `SHORT_SEQLEN`)."""
 
 from __future__ import annotations
 
