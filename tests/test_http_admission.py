@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -128,6 +129,22 @@ def test_a_client_that_disconnects_has_its_queued_work_dropped():
         wait_for(lambda: metric(c, "vitserve_cancelled_items_total") == 3)
         wait_for(lambda: metric(c, "vitserve_requests_total", '{status="499"}') == 1)
         assert metric(c, "vitserve_items_total", '{modality="image"}') == 1  # only the busy request's item ran
+
+
+def test_a_client_gone_mid_upload_is_a_499_logged_at_info(caplog):
+    """Half a body, then the socket closes: not a server error, no traceback."""
+    with ServerThread(settings()) as srv, srv.client() as c:
+        with caplog.at_level(logging.INFO, logger="vitserve"):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+                s.sendall(b"POST /encode HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 200000\r\n\r\n" + b'{"items": [' + b" " * 100000)
+                wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 1)
+            wait_for(lambda: metric(c, "vitserve_requests_total", '{status="499"}') == 1)
+        assert metric(c, "vitserve_requests_total", '{status="500"}') == 0
+        gone = [r for r in caplog.records if "client went away while sending its body" in r.getMessage()]
+        assert gone and gone[0].levelno == logging.INFO and gone[0].exc_info is None
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert c.post("/encode", json=BODY).status_code == 200
 
 
 def test_ready_is_503_while_starting(monkeypatch):

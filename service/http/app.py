@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from service.engine.core import Engine
 from service.engine.types import EngineError, ItemResult, NotReady, OutputSpec
@@ -74,10 +75,13 @@ class Service:
             if int(declared) > limit:
                 raise too_large(f"declares {declared} bytes", limit)
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large(f"passed {limit} bytes while streaming", limit)
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large(f"passed {limit} bytes while streaming", limit)
+        except ClientDisconnect:  # gone mid-upload: the client's doing, not a server error
+            raise ClientGone(f"while sending its body, after {len(body)} bytes") from None
         return bytes(body)
 
     async def parse(self, request: Request, body: bytes) -> Parsed:
@@ -108,7 +112,7 @@ class Service:
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
-                raise ClientGone()
+                raise ClientGone("while its items were queued or running; they were dropped")
             return work.result()
         finally:
             for task in (work, gone):
@@ -127,8 +131,8 @@ class Service:
         except (asyncio.TimeoutError, TimeoutError):
             return ApiError(504, "timeout", f"the request took longer than {self.settings.request_timeout_s:g}s "
                                             "(--request-timeout-s)", "timeout").response()
-        except ClientGone:
-            log.info("client went away; its queued work was dropped")
+        except ClientGone as exc:
+            log.info("client went away %s (counted as 499)", exc)
             return Response(status_code=499)
         except Exception as exc:
             error_id = "err-" + uuid.uuid4().hex[:12]
