@@ -26,7 +26,7 @@ from service.engine.core import Engine
 from service.engine.types import EngineError, ItemResult, NotReady, OutputSpec
 from service.handoff.ec_storage import ECSharedStorage
 from service.http import encoders
-from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large
+from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large, validation_error
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
 from service.http.schemas import (
     EncodeRequest,
@@ -257,7 +257,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(422, "invalid_request", str(exc.errors()[:1]), "invalid_value").response()
+        return validation_error(exc.errors()).response()
 
     @app.post("/encode", response_model=EncodeResponse, responses={
         200: {"content": {encoders.SAFETENSORS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
