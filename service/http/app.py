@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from service.engine.core import Engine
 from service.engine.types import EngineError, ItemResult, NotReady, OutputSpec
 from service.handoff.ec_storage import ECSharedStorage
-from service.http import encoders
+from service.http import docs, encoders
 from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large, validation_error
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
 from service.http.schemas import (
@@ -245,10 +245,11 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             await service.drain(settings.request_timeout_s)
             engine.stop()
 
-    app = FastAPI(title="vitserve", version=VERSION, lifespan=lifespan,
+    app = FastAPI(title="vitserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Vision encoder for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images and videos in, "
                               "merged visual tokens out (see docs/api.md).", **telemetry_options())
     app.state.service = service
+    docs.install_pages(app)  # /docs and /redoc without a CDN
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -309,6 +310,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js
+        if settings.api_key is not None:
+            docs.add_bearer_auth(schema, {"/encode": "post", "/info": "get"})
         app.openapi_schema = schema
         return schema
 
