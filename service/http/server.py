@@ -25,6 +25,7 @@ from service.engine.core import Engine
 from service.http.app import Service, create_app
 from service.http.protocol import HeadLimits, limited_protocol
 from service.metrics import Metrics
+from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
 from service.settings import ServeSettings, SettingsError
 
 log = logging.getLogger("vitserve.server")
@@ -111,14 +112,21 @@ def check_plan(settings: ServeSettings) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    """Settings, then every check that needs no weights (service/preflight.py), then the bound port
+    and the server; a problem found before binding is one line on stderr and its exit code."""
     try:
         settings = settings_from_args(args)
         check_plan(settings)
     except (SettingsError, BudgetError) as exc:
         print(f"vitserve serve: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_SETTINGS
+    try:
+        sock = preflight(settings)
+    except StartupError as exc:
+        print(f"vitserve serve: {exc}", file=sys.stderr)
+        return exc.code
     configure_logging(settings.log_level)
-    return serve(settings)
+    return serve(settings, sock)
 
 
 class DrainingServer(uvicorn.Server):
@@ -154,8 +162,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def fatal(self, reason: str) -> None:
-        """Start-up failed (called from the loading thread): exit non-zero."""
-        self.exit_code = 1
+        """Start-up failed after the port was bound (called from the loading thread): exit non-zero."""
+        self.exit_code = EXIT_FAILED
         self.should_exit = True
 
 
@@ -174,7 +182,8 @@ def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> uvico
     return uvicorn.Config(app, **{**options, **overrides})
 
 
-def serve(settings: ServeSettings) -> int:
+def serve(settings: ServeSettings, sock: socket.socket | None = None) -> int:
+    """Run the server on `sock` (bound by preflight), else on --host/--port; returns the exit code."""
     if settings.model_defaulted:
         log.warning("no --model given: serving the embedded %s preset (random weights, for trying the API)",
                     DEFAULT_MODEL)
@@ -189,7 +198,11 @@ def serve(settings: ServeSettings) -> int:
     # cost up to 5 ms, many times per batch.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     log.info("settings: %s", settings.public_dict())
-    server.run()
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        log.info("listening on http://%s:%d; loading the model in the background (GET /ready: 200 once done)",
+                 host, port)
+    server.run(sockets=None if sock is None else [sock])
     return server.exit_code
 
 
