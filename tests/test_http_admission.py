@@ -171,10 +171,15 @@ def test_info():
     cfg = settings(model="tiny-qwen3-vl", served_model_name="qwen3-tiny", budgets=[256, 1024], t_capture=4)
     with ServerThread(cfg) as srv, srv.client() as c:
         info = c.get("/info").json()
+        assert metric(c, "vitserve_graphs_captured") == 0
     assert info["model"] == "qwen3-tiny" and info["family"] == "qwen3_vl"
     assert info["dtype"] == "float32" and info["device"] == "cpu"
     assert info["budgets"] == [256, 1024] and info["t_capture"] == 4
     assert info["captured"] and all(k.split("/")[1] in ("b256", "b1024") for k in info["captured"])
+    # The keys run as fixed-shape eager forwards: the CPU has no CUDA graph, and /info says so.
+    assert info["graphs"]["mode"] == "cpu_fixed_shape" and info["graphs"]["captured"] == 0
+    assert info["graphs"]["keys"] == len(info["captured"]) and "CUDA device" in info["graphs"]["reason"]
+    assert info["pool"]["captured_graphs"] == 0
     assert info["num_deepstack"] == 2 and info["out_hidden_size"] == 80
     assert info["limits"]["max_items_per_request"] == 64 and info["limits"]["max_payload_bytes"] == 64 * 2**20
     assert info["version"] and info["state"] == "ready"

@@ -203,6 +203,23 @@ def telemetry_options() -> dict[str, Any]:
 
 
 
+def graphs_summary(info: dict[str, Any]) -> dict[str, Any]:
+    """/info's `graphs`: the CUDA graphs captured (0 on the CPU, or with --eager) and, when none, why.
+    `captured` in /info lists the graph keys, which on the CPU run as fixed-shape eager forwards.
+    Hook for the engine: it could report this block itself; the pool stats of several engines
+    (--data-parallel) are merged without `graph_mode`, which is then taken from the device."""
+    pool = info.get("pool") or {}
+    mode = pool.get("graph_mode")
+    if mode is None:
+        mode = "off" if info.get("eager") else "cuda_graphs" if str(info.get("device", "")).startswith("cuda") \
+            else "cpu_fixed_shape"
+    reason = pool.get("no_graphs_reason")
+    if reason is None and mode != "cuda_graphs":
+        reason = "graphs disabled (--eager)" if mode == "off" else "CUDA graphs need a CUDA device"
+    return {"mode": mode, "captured": pool.get("captured_graphs", 0), "keys": len(info.get("captured", [])),
+            "reason": reason}
+
+
 async def wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -299,7 +316,10 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             service.check_auth(request)
         except ApiError as exc:
             return exc.response()
-        return JSONResponse({"version": VERSION, **engine.info(), "settings": settings.public_dict()})
+        body = {"version": VERSION, **engine.info(), "settings": settings.public_dict()}
+        if "pool" in body:
+            body["graphs"] = graphs_summary(body)
+        return JSONResponse(body)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
