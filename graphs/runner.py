@@ -82,7 +82,8 @@ class GraphRunner:
             self.stats.graph_mode, self.stats.no_graphs_reason = "off", "graphs disabled (--eager)"
 
     def capture_plan(self) -> str:
-        """What `capture()` is about to do, in words for the start-up log."""
+        """What `capture()` is about to do, in words for the start-up log. (For the engine's loader,
+        service/engine/loading.py, whose own line still says "capturing N graphs" on the CPU too.)"""
         keys = len(self.plan.keys(self.modalities))
         if not self.use_graphs:
             return "no CUDA graphs (eager)"
