@@ -37,6 +37,12 @@
 #   VITSERVE_VIDEO_CHUNKING           video chunking (not implemented yet: leave unset)
 #   VITSERVE_EC_SHARED_STORAGE        folder shared with an LLM server's encoder-cache connector
 #   VITSERVE_DATA_PARALLEL            encoder replicas (one GPU each) in this process; only 1 for now
+#   VITSERVE_MAX_HEADER_BYTES         request line and headers together, 431 above; 65536
+#   VITSERVE_MAX_HEADER_LINE_BYTES    request target or one header field, 431 (414) above; 8192
+#   VITSERVE_MAX_HEADER_FIELDS        header fields of one request, 431 above; 100
+#   VITSERVE_HEADER_TIMEOUT_S         time a client has to send a request head, 408 after; 10
+#   VITSERVE_KEEP_ALIVE_TIMEOUT_S     idle kept-alive connections are closed after it; 5
+#   VITSERVE_MAX_CONNECTIONS          open connections; requests beyond get 503; 1024
 #
 # Endpoints: GET /health (liveness), GET /ready (readiness), GET /metrics (Prometheus), POST /encode.
 # On SIGTERM the server drains (ready -> 503, in-flight requests finish) and exits within the request timeout:

@@ -70,7 +70,8 @@ class GraphPool:
             t0 = time.perf_counter()
             try:
                 self.graphs[key] = self._capture_one(key, cap)
-                log.info("captured %s %s in %.3fs", key, cap, time.perf_counter() - t0)
+                log.debug("%s %s %s in %.3fs", "captured" if is_cuda else "prepared", key, cap,
+                          time.perf_counter() - t0)
             except Exception as exc:  # a failed key is served eagerly, never fatal
                 self.failed[key] = f"{type(exc).__name__}: {exc}"
                 self.stats.capture_failures[str(key)] = self.failed[key]
@@ -84,12 +85,17 @@ class GraphPool:
             # the shared buffers, which is what pool_bytes reports.
             torch.cuda.empty_cache()
             self.stats.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        self.stats.captured = len(self.graphs)
+        self.stats.captured = sum(g.graph is not None for g in self.graphs.values())
+        self.stats.graph_keys = len(self.graphs)
         self.stats.capture_seconds = time.perf_counter() - start
-        log.info(
-            "graph pool: %d graphs in %.1fs, %.1f MiB, %d failed",
-            len(self.graphs), self.stats.capture_seconds, self.stats.pool_bytes / 2**20, len(self.failed),
-        )
+        if is_cuda:
+            self.stats.graph_mode, self.stats.no_graphs_reason = "cuda_graphs", None
+            log.info("graph pool: %d CUDA graphs in %.1fs, %.1f MiB, %d failed", self.stats.captured,
+                     self.stats.capture_seconds, self.stats.pool_bytes / 2**20, len(self.failed))
+        else:
+            self.stats.graph_mode, self.stats.no_graphs_reason = "cpu_fixed_shape", CPU_NO_GRAPHS
+            log.info("running on the CPU: no CUDA graphs; each of the %d graph keys runs as a fixed-shape eager "
+                     "forward (the same packing and padding, for trying the API, not for speed)", len(self.graphs))
 
     def _warmup_stream(self) -> torch.cuda.Stream:
         """The one side stream every capture's warm-up runs on, its cuBLAS workspace made first.
@@ -212,6 +218,8 @@ class GraphPool:
 
 
 META_ALIGN = 256  # bytes: every metadata buffer starts aligned for any dtype
+CPU_NO_GRAPHS = ("CUDA graphs need a CUDA device: on the CPU each graph key runs as a fixed-shape eager forward "
+                 "over the same static buffers (for trying the API)")
 
 
 def _upload(dst: torch.Tensor, arr: np.ndarray | torch.Tensor) -> None:

@@ -78,6 +78,17 @@ class GraphRunner:
             self.pool.capture(self.plan.keys(self.modalities))
             if self.device.type == "cuda" and self.pool.graphs:
                 self.calibrate()
+        else:
+            self.stats.graph_mode, self.stats.no_graphs_reason = "off", "graphs disabled (--eager)"
+
+    def capture_plan(self) -> str:
+        """What `capture()` is about to do, in words for the start-up log."""
+        keys = len(self.plan.keys(self.modalities))
+        if not self.use_graphs:
+            return "no CUDA graphs (eager)"
+        if self.device.type != "cuda":
+            return f"no CUDA graphs on the CPU ({keys} fixed-shape eager keys)"
+        return f"capturing {keys} CUDA graphs"
 
     def calibrate(self) -> None:
         """Measure what a replay costs beyond its budget's GPU time, and when an eager forward costs its

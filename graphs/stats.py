@@ -15,7 +15,10 @@ class PoolStats:
     eager_batches: int = 0
     chunked_videos: int = 0  # long videos served as t_capture chunks through graphs
     video_chunks: int = 0
-    captured: int = 0
+    captured: int = 0  # CUDA graphs captured: 0 on the CPU, which has none
+    graph_mode: str = "off"  # "cuda_graphs", "cpu_fixed_shape" (CPU: one fixed-shape eager run per key) or "off"
+    graph_keys: int = 0  # keys served at a fixed shape: by a CUDA graph, or on the CPU by an eager run
+    no_graphs_reason: str | None = None  # why `captured` is 0, in words
     capture_failures: dict = field(default_factory=dict)  # key -> error
     capture_seconds: float = 0.0
     pool_bytes: int = 0
@@ -61,6 +64,9 @@ class PoolStats:
                 "hit_rate": round(self.hit_rate, 4),
                 "replays": dict(self.replays),
                 "captured_graphs": self.captured,
+                "graph_mode": self.graph_mode,
+                "graph_keys": self.graph_keys,
+                "no_graphs_reason": self.no_graphs_reason,
                 "capture_failures": dict(self.capture_failures),
                 "capture_seconds": round(self.capture_seconds, 3),
                 "pool_bytes": self.pool_bytes,

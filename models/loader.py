@@ -112,23 +112,63 @@ def init_random(module: nn.Module, seed: int) -> None:
         p.copy_(value)
 
 
-def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend: str) -> QwenTower:
-    from transformers import AutoConfig
-
+def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
+    """(family, vision config, processor) of a checkpoint folder, or CheckpointError saying what is wrong."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a preset name ({', '.join(PRESETS)}) nor a folder")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder}: not a preset name ({', '.join(PRESETS)}) nor a folder with config.json")
-    cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    from transformers import AutoConfig  # seconds to import: only for a folder
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable, not JSON, unknown model_type
+        raise CheckpointError(f"{folder}/config.json cannot be read: {_one_line(exc)}") from None
     family = cfg.model_type
+    if family not in FAMILIES:
+        raise CheckpointError(f"{folder}: unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
     if not (folder / "preprocessor_config.json").is_file():
         raise CheckpointError(f"{folder}: preprocessor_config.json is missing")
-    processor = ProcessorConfig.from_folder(folder, family)
-    tower = build_tower(family, cfg.vision_config, processor, backend)
+    try:
+        processor = ProcessorConfig.from_folder(folder, family)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{folder}: a preprocessor config cannot be read: {_one_line(exc)}") from None
+    return family, cfg.vision_config, processor
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend: str) -> QwenTower:
+    family, vision_config, processor = _read_checkpoint_config(folder)
+    tower = build_tower(family, vision_config, processor, backend)
     tensors = read_vision_tensors(folder)
     tower.to_empty(device=dev).to(dt)
     load_state(tower, tensors, folder)  # copies, converting to the serving dtype
     tower.reset_buffers()
     log.info("loaded %s vision tower from %s (%d tensors)", family, folder, len(tensors))
     return tower
+
+
+def check_model(model: str) -> str:
+    """What loading `model` would refuse, found without reading a weight: a preset name, or a folder
+    with a readable config.json of a supported family, its preprocessor config, and safetensors whose
+    vision tensors have exactly the names and shapes that config needs (read from the files' headers).
+    Returns the family; raises CheckpointError."""
+    if model in PRESETS:
+        return PRESETS[model].family
+    folder = Path(model)
+    family, vision_config, processor = _read_checkpoint_config(folder)
+    tower = build_tower(family, vision_config, processor, "sdpa")  # on the meta device: shapes only
+    try:
+        shapes = vision_tensor_shapes(folder)
+    except (OSError, ValueError) as exc:  # safetensors' own errors are both
+        raise CheckpointError(f"{folder}: the safetensors cannot be read: {_one_line(exc)}") from None
+    problems = weight_problems({k: tuple(v.shape) for k, v in tower.state_dict().items()}, shapes)
+    if problems:
+        raise CheckpointError(f"{folder}: vision weights do not match the config ({' | '.join(problems)})")
+    return family
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -147,28 +187,34 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 def read_vision_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Vision tensors keyed without their prefix, read lazily (text weights are never loaded)."""
+    return _read_vision(folder, lambda f, key: f.get_tensor(key))
+
+
+def vision_tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The vision tensors' shapes, from the safetensors headers alone."""
+    return _read_vision(folder, lambda f, key: tuple(f.get_slice(key).get_shape()))
+
+
+def _read_vision(folder: Path, read: Any) -> dict[str, Any]:
     from safetensors import safe_open
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 for prefix in VISION_PREFIXES:
                     if key.startswith(prefix):
-                        out[key[len(prefix) :]] = f.get_tensor(key)
+                        out[key[len(prefix) :]] = read(f, key)
                         break
     return out
 
 
-def load_state(tower: QwenTower, tensors: dict[str, torch.Tensor], source: Path | str) -> None:
-    expected = {k: tuple(v.shape) for k, v in tower.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    shapes = sorted(
-        f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {expected[k]}"
-        for k in set(expected) & set(tensors)
-        if tuple(tensors[k].shape) != expected[k]
-    )
+def weight_problems(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]) -> list[str]:
+    """Missing, unexpected and mis-shaped tensors, by name (at most 20 of each)."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = sorted(f"{k}: checkpoint {found[k]} vs model {expected[k]}"
+                    for k in set(expected) & set(found) if found[k] != expected[k])
     problems = []
     if missing:
         problems.append(f"missing {len(missing)}: {', '.join(missing[:20])}")
@@ -176,6 +222,12 @@ def load_state(tower: QwenTower, tensors: dict[str, torch.Tensor], source: Path 
         problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:20])}")
     if shapes:
         problems.append(f"mis-shaped {len(shapes)}: {'; '.join(shapes[:20])}")
+    return problems
+
+
+def load_state(tower: QwenTower, tensors: dict[str, torch.Tensor], source: Path | str) -> None:
+    expected = {k: tuple(v.shape) for k, v in tower.state_dict().items()}
+    problems = weight_problems(expected, {k: tuple(v.shape) for k, v in tensors.items()})
     if problems:
         raise CheckpointError(f"{source}: vision weights do not match the config ({' | '.join(problems)})")
     tower.load_state_dict(tensors)

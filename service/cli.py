@@ -28,25 +28,56 @@ def load_media(path: Path, cfg):
     return preprocess_video_bytes(data, cfg)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default; required options and switches say so instead."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required:
+            return text + " (required)"
+        if action.nargs == 0 and action.default is False:  # a switch
+            return text + " (default: off)"
+        return super()._get_help_string(action) or ""
+
+
 def add_encode_parser(sub) -> None:
     p = sub.add_parser("encode", help="encode local images/videos into a safetensors file",
-                       description="Offline batch encoding through the same graph pool the server uses.")
-    p.add_argument("inputs", nargs="+", type=Path, metavar="FILE")
+                       formatter_class=DefaultsHelpFormatter,
+                       description="Offline batch encoding through the same graph pool the server uses. Writes "
+                                   "embeds.<i>, grid_thw.<i> (and deepstack.<i>.<j>) per input, in order; the "
+                                   "file's metadata describes the inputs by file name, with the timing of videos.")
+    p.add_argument("inputs", nargs="+", type=Path, metavar="FILE", help="images and videos, sniffed from their bytes")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or preset ({', '.join(PRESETS)})")
     p.add_argument("--output", "-o", type=Path, required=True, help="safetensors file to write")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="model dtype: auto | bfloat16 | float16 | float32")
-    p.add_argument("--output-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", help="model dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
+                                                   "float16 | float32")
+    p.add_argument("--output-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written tensors")
     # the backends of models.attention.BACKENDS (not imported here: that pulls in torch)
     p.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn", "sdpa"],
                    help="attention backend (auto: cuDNN when it passes its load-time check, else varlen_attn, "
                         "on CUDA; SDPA per segment on the CPU)")
-    p.add_argument("--max-batch-tokens", type=int, default=16384)
-    p.add_argument("--t-capture", type=int, default=8)
+    p.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of the largest batch/graph")
+    p.add_argument("--t-capture", type=int, default=8, help="temporal patches per video slot in the graphs")
     p.add_argument("--eager", action="store_true", help="bypass the graph pool")
     p.add_argument("--stats", action="store_true", help="print the pool statistics as one JSON line at the end")
     p.add_argument("--workers", type=int, default=4, help="decode/preprocess threads")
     p.set_defaults(func=run_encode)
+
+
+def input_entry(index: int, path: Path, item, merge: int) -> dict:
+    """The output file's description of one input: its file name (never the local path) and, for videos,
+    the timing fields the server's responses carry."""
+    entry = {"index": index, "type": item.modality, "file": path.name, "grid_thw": list(item.grid_thw),
+             "num_tokens": item.num_tokens(merge)}
+    if item.modality == "video":
+        entry.update({k: item.meta[k] for k in VIDEO_FIELDS if item.meta.get(k) is not None})
+    return entry
+
+
+# The per-video fields of the server's responses (docs/api.md), which M-RoPE and vLLM need.
+VIDEO_FIELDS = ("timestamps", "second_per_grid_ts", "fps")
 
 
 def run_encode(args: argparse.Namespace) -> int:
@@ -101,8 +132,10 @@ def run_encode(args: argparse.Namespace) -> int:
                 tensors[f"deepstack.{i}.{j}"] = feat.to(out_dtype).cpu().contiguous()
         progress(len(batch.items))
     elapsed = time.perf_counter() - start
-    metadata = {"model": args.model, "family": tower.family, "dtype": args.output_dtype,
-                "inputs": json.dumps([str(p) for p in args.inputs])}
+    model = args.model if args.model in PRESETS else Path(args.model).name  # a folder: its name, not its path
+    inputs = [input_entry(i, path, item, tower.merge) for i, (path, item) in enumerate(zip(args.inputs, items))]
+    metadata = {"model": model, "family": tower.family, "dtype": args.output_dtype,
+                "inputs": json.dumps(inputs, separators=(",", ":"))}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(args.output), metadata=metadata)
     for i, (path, item) in enumerate(zip(args.inputs, items)):
@@ -167,7 +200,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vitserve", description="Vision-encoding inference server for Qwen-VL")
+    parser = argparse.ArgumentParser(prog="vitserve", description="Vision-encoding inference server for Qwen-VL",
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--log-level", default="warning", help="logging level for encode and bench")
     sub = parser.add_subparsers(dest="command", required=True)
     from service.http.server import add_serve_parser

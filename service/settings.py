@@ -83,6 +83,14 @@ class ServeSettings(BaseModel):
     ec_shared_storage: Path | None = None
     video_chunking: bool = False
     data_parallel: int | Literal["auto"] = Field(1, description="engines, one per GPU (auto: every visible GPU)")
+    # Bounds on a request's head and on connections, enforced by the HTTP protocol before the app
+    # (service/http/protocol.py): 431, 408 or 503, and the connection closed.
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers, in bytes")
+    max_header_line_bytes: int = Field(8 * 1024, ge=256, description="the request target, or one header field")
+    max_header_fields: int = Field(100, ge=1)
+    header_timeout_s: float = Field(10.0, gt=0, description="from connection (or request) start to the head's end")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after it")
+    max_connections: int = Field(1024, ge=1, description="open connections; requests beyond get 503")
     # Test hook: sleep this long before every batch (a slow engine for timeout and drain tests).
     batch_delay_ms: float = Field(0.0, ge=0)
 
@@ -135,6 +143,9 @@ class ServeSettings(BaseModel):
             self._check_engines()
         if self.allow_url and not self.allowed_hosts:
             raise ValueError("--allow-url needs --allowed-hosts (VITSERVE_ALLOWED_HOSTS): a list of host names")
+        if self.max_header_line_bytes > self.max_header_bytes:
+            raise ValueError(f"--max-header-line-bytes {self.max_header_line_bytes} is over --max-header-bytes "
+                             f"{self.max_header_bytes}")
         if self.budgets and any(b < 1 for b in self.budgets):
             raise ValueError(f"--budgets must be positive token counts, got {self.budgets}")
         return self

@@ -25,6 +25,7 @@ from PIL import Image
 
 from service.engine.core import Engine
 from service.http.app import create_app
+from service.http.server import uvicorn_config
 from service.metrics import Metrics
 from service.settings import ServeSettings
 
@@ -73,7 +74,8 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_config=None, log_level="warning", timeout_graceful_shutdown=5)
+        # The server's own uvicorn configuration (its HTTP protocol and limits), less the logging.
+        config = uvicorn_config(self.app, cfg, log_level="warning", timeout_graceful_shutdown=5, access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="test-uvicorn", daemon=True)
         self.wait_ready = wait_ready

@@ -141,7 +141,7 @@ def test_every_item_equals_the_single_engine_answer(served, reference):
                 np.testing.assert_array_equal(got, want)
         info = client.get("/info").json()
     assert info["data_parallel"] == 2 and [e["state"] for e in info["engines"]] == ["ready", "ready"]
-    assert info["cuda_graphs"] is False and info["captured"] == []  # the CPU: fixed-shape runs, no CUDA graphs
+    assert info["graphs"]["mode"] == "cpu_fixed_shape" and info["captured"] == []  # the CPU: no CUDA graphs
     assert info["pool"]["graph_items"] >= 8
 
 

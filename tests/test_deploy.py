@@ -74,6 +74,12 @@ SERVE_FLAGS = [
     "video-chunking",
     "ec-shared-storage",
     "data-parallel",
+    "max-header-bytes",
+    "max-header-line-bytes",
+    "max-header-fields",
+    "header-timeout-s",
+    "keep-alive-timeout-s",
+    "max-connections",
 ]
 SERVE_ENV = {flag: "VITSERVE_" + flag.upper().replace("-", "_") for flag in SERVE_FLAGS}
 

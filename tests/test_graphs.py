@@ -237,6 +237,24 @@ def test_injected_capture_failure_is_served_eagerly():
     assert r.stats.eager_items["capture_failed"] == 1
 
 
+def test_the_cpu_says_once_that_it_captures_no_cuda_graphs(caplog):
+    tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
+    r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=128))
+    keys = len(r.plan.keys(r.modalities))
+    assert r.capture_plan() == f"no CUDA graphs on the CPU ({keys} fixed-shape eager keys)"
+    with caplog.at_level("DEBUG", logger="vitserve.graphs"):
+        r.capture()
+    info = [rec.getMessage() for rec in caplog.records if rec.levelname == "INFO"]
+    assert len(info) == 1 and "no CUDA graphs" in info[0] and "capturing" not in info[0], info
+    assert sum(rec.levelname == "DEBUG" for rec in caplog.records) == keys  # one line per key, at DEBUG
+    stats = r.stats.as_dict()
+    assert stats["captured_graphs"] == 0 and stats["graph_keys"] == keys == len(r.pool.graphs)
+    assert stats["graph_mode"] == "cpu_fixed_shape" and "CUDA device" in stats["no_graphs_reason"]
+    off = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=128), use_graphs=False)
+    off.capture()
+    assert off.stats.as_dict()["graph_mode"] == "off" and off.capture_plan() == "no CUDA graphs (eager)"
+
+
 def test_graphs_off_still_batches():
     tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
     r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=128), use_graphs=False)

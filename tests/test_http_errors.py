@@ -99,7 +99,7 @@ CASES = [
     ("min above max pixels", post_json(one(min_pixels=10**6, max_pixels=10**4)),
      422, "invalid_item", "invalid_value", 0),
     ("max_pixels above the server's", post_json(one(max_pixels=10**9)), 422, "invalid_item", "invalid_option", 0),
-    ("video option on an image", post_json(one(fps=2)), 422, "invalid_item", "unknown_field", 0),
+    ("video option on an image", post_json(one(fps=2)), 422, "invalid_item", "invalid_option", 0),
     ("fps and nframes", post_json({"items": [{"type": "video", "video": b64(VIDEO), "fps": 2, "nframes": 4}]}),
      422, "invalid_item", "invalid_value", 0),
     ("unknown item field", post_json(one(colour="red")), 422, "invalid_item", "unknown_field", 0),
@@ -147,6 +147,8 @@ def test_bad_input(server, baseline, name, call, status, kind, code, index):
         assert set(err) >= {"type", "message", "index", "code"}
         assert (err["type"], err["code"], err["index"]) == (kind, code, index), err
         assert err["message"]
+        if kind == "invalid_item":
+            assert err["message"].startswith(f"item {index}: "), err
         ok = c.post("/encode", json=good_request())  # the server still serves, and correctly
     assert ok.status_code == 200
     assert ok.json()["data"][0]["embedding"] == baseline
@@ -179,3 +181,61 @@ def test_metrics_count_statuses(server, baseline):
         text = c.get("/metrics").text
     assert 'vitserve_requests_total{status="422"}' in text
     assert 'vitserve_requests_total{status="200"}' in text
+
+
+# The same problem sent as JSON and as multipart: (name, options per item, top-level keys, expected
+# type, code, index). An item given as {} is a good image; "video": True makes it a good video.
+SAME_PROBLEM = [
+    ("negative max_pixels", [{}, {"max_pixels": -5}], None, "invalid_item", "invalid_value", 1),
+    ("video option on an image", [{"fps": 2}], None, "invalid_item", "invalid_option", 0),
+    ("unknown item field", [{}, {"colour": "red"}], None, "invalid_item", "unknown_field", 1),
+    ("min above max pixels", [{"min_pixels": 10**6, "max_pixels": 10**4}], None, "invalid_item", "invalid_value", 0),
+    ("unsafe id", [{"id": "../../etc"}], None, "invalid_item", "invalid_value", 0),
+    ("duplicate ids", [{"id": "x"}, {"id": "x"}], None, "invalid_item", "duplicate_id", 1),
+    ("video options on an image", [{}, {"fps": 1, "nframes": 4}], None, "invalid_item", "invalid_option", 1),
+    ("fps and nframes on a video", [{}, {"video": True, "fps": 1, "nframes": 4}], None, "invalid_item",
+     "invalid_value", 1),
+    ("unknown top-level field", [{}], {"stream": True}, "invalid_request", "unknown_field", None),
+    ("bad dtype", [{}], {"dtype": "int8"}, "invalid_request", "invalid_value", None),
+    ("bad encoding_format", [{}], {"encoding_format": "xml"}, "invalid_request", "invalid_value", None),
+]
+
+
+def media(item: dict) -> tuple[str, bytes, dict]:
+    options = {k: v for k, v in item.items() if k != "video"}
+    return ("video", VIDEO, options) if item.get("video") else ("image", GOOD, options)
+
+
+def as_json(items: list[dict], top: dict | None) -> Callable[[httpx.Client], httpx.Response]:
+    body = [{"type": kind, kind: b64(data), **options} for kind, data, options in map(media, items)]
+    return post_json({"items": body, **(top or {})})
+
+
+def as_multipart(items: list[dict], top: dict | None) -> Callable[[httpx.Client], httpx.Response]:
+    files = [("files", (f"f{i}", data)) for i, (_, data, _) in enumerate(map(media, items))]
+    return post_files(files, {"options": json.dumps({**(top or {}), "items": [media(it)[2] for it in items]})})
+
+
+@pytest.mark.parametrize("name,items,top,kind,code,index", SAME_PROBLEM, ids=[c[0] for c in SAME_PROBLEM])
+def test_json_and_multipart_report_a_problem_alike(server, name, items, top, kind, code, index):
+    with server.client() as c:
+        answers = [call(items, top)(c) for call in (as_json, as_multipart)]
+    for r in answers:
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["index"]) == (kind, code, index), err
+        if kind == "invalid_item":
+            assert err["message"].startswith(f"item {index}: "), err
+    json_msg, multipart_msg = (r.json()["error"]["message"] for r in answers)
+    if kind == "invalid_item":  # the same words, whichever way the item came
+        assert json_msg == multipart_msg
+
+
+def test_invalid_json_is_reported_alike(server):
+    with server.client() as c:
+        raw = post_raw(b"{not json")(c)
+        options = post_files([("files", ("a.png", GOOD))], {"options": "{not json"})(c)
+    for r in (raw, options):
+        assert r.status_code == 422
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["index"]) == ("invalid_request", "invalid_json", None)

@@ -5,6 +5,7 @@ must find no 5xx and no response outside the documented statuses, content types 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -52,6 +53,35 @@ def test_document_is_valid_openapi(document, server):
     for name, schema in document["components"]["schemas"].items():
         jsonschema.Draft202012Validator.check_schema(schema), name
     assert httpx.get(server.url + "/docs").status_code == 200
+
+
+def test_the_bearer_scheme_is_declared_with_an_api_key(document):
+    assert "securitySchemes" not in document.get("components", {})  # no key, no scheme
+    with ServerThread(serve_settings(api_key="k-123")) as srv:
+        keyed = httpx.get(srv.url + "/openapi.json").json()
+    validate_openapi(keyed)
+    assert keyed["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http", "scheme": "bearer", "description": keyed["components"]["securitySchemes"]["bearerAuth"]
+        ["description"]}
+    assert keyed["paths"]["/encode"]["post"]["security"] == [{"bearerAuth": []}]
+    assert keyed["paths"]["/info"]["get"]["security"] == [{"bearerAuth": []}]
+    for path in ("/health", "/ready", "/metrics"):
+        assert "security" not in keyed["paths"][path]["get"], path
+    assert "k-123" not in json.dumps(keyed)
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_everything_from_the_server_itself(server, page):
+    """No CDN, no web fonts, no validator badge: the pages work in an air-gapped cluster."""
+    html = httpx.get(server.url + page).text
+    assert "http://" not in html and "https://" not in html and "//" not in html.replace("<!--", "")
+    refs = re.findall(r'(?:src|href|spec-url)="([^"]+)"', html) + re.findall(r"url: '([^']+)'", html)
+    assert refs and all(ref.startswith("/") for ref in refs), refs
+    for ref in refs:
+        r = httpx.get(server.url + ref)
+        assert r.status_code == 200 and r.content, ref
+    if page == "/docs":
+        assert '"validatorUrl": null' in html  # Swagger UI would otherwise ask validator.swagger.io
 
 
 def test_request_schema_matches_the_server(document, server):

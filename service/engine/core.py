@@ -413,8 +413,8 @@ class Engine:
             "budgets": list(m.plan.budgets),
             "max_batch_items": m.plan.max_items,
             "t_capture": m.plan.t_capture,
-            "cuda_graphs": m.uses_graphs,
             "captured": list(m.captured),
+            "graphs": self._graphs(),
             "capture_failures": _MergedStats(self.backends).as_dict()["capture_failures"],
             "processor": {
                 "patch_size": proc.patch_size,
@@ -431,6 +431,13 @@ class Engine:
         if len(self.backends) > 1:
             out.update(data_parallel=len(self.backends), engines=self.batcher.engine_rows())
         return out
+
+
+    def _graphs(self) -> dict[str, Any]:
+        """How the keys run: CUDA graphs (how many per engine), or fixed-shape eager forwards and why."""
+        stats = self.backends[0].stats or {}
+        return {"mode": stats.get("graph_mode", "off"), "captured": stats.get("captured_graphs", 0),
+                "keys": stats.get("graph_keys", 0), "reason": stats.get("no_graphs_reason")}
 
 
 class _MergedStats:

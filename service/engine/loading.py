@@ -24,13 +24,8 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     tower = load_tower(s.model, device=s.device, dtype=s.dtype)
     plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
     runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
-    if device.type != "cuda":
-        what = "the CPU has no CUDA graphs: batches run eagerly at fixed shapes (for trying the API)"
-    elif s.eager:
-        what = "--eager: no CUDA graphs"
-    else:
-        what = f"capturing {len(plan.keys(runner.modalities))} CUDA graphs"
-    log.info("loaded %s (%s) on %s in %.1fs; %s", s.model, tower.family, device, time.perf_counter() - t0, what)
+    log.info("loaded %s (%s) on %s in %.1fs; %s", s.model, tower.family, device, time.perf_counter() - t0,
+             runner.capture_plan())
     runner.capture()
     return runner
 

@@ -20,13 +20,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from service import shm
 from service.engine.core import Engine
 from service.engine.types import EngineError, ItemResult, NotReady
 from service.handoff.ec_storage import ECSharedStorage
-from service.http import encoders
-from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large
+from service.http import docs, encoders
+from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large, validation_error
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
 from service.http.responses import PartsResponse, json_parts, take_segment
 from service.http.schemas import (
@@ -79,10 +80,13 @@ class Service:
             if int(declared) > limit:
                 raise too_large(f"declares {declared} bytes", limit)
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large(f"passed {limit} bytes while streaming", limit)
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large(f"passed {limit} bytes while streaming", limit)
+        except ClientDisconnect:  # gone mid-upload: the client's doing, not a server error
+            raise ClientGone(f"while sending its body, after {len(body)} bytes") from None
         return bytes(body)
 
     async def parse(self, request: Request, body: bytes) -> Parsed:
@@ -113,7 +117,7 @@ class Service:
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
-                raise ClientGone()
+                raise ClientGone("while its request was being served; its work was stopped")
             return task.result()
         finally:
             for t in (task, gone):
@@ -132,8 +136,8 @@ class Service:
         except (asyncio.TimeoutError, TimeoutError):
             return ApiError(504, "timeout", f"the request took longer than {self.settings.request_timeout_s:g}s "
                                             "(--request-timeout-s)", "timeout").response()
-        except ClientGone:
-            log.info("client went away; its work was stopped")
+        except ClientGone as exc:
+            log.info("client went away %s (counted as 499)", exc)
             return Response(status_code=499)
         except Exception as exc:
             error_id = "err-" + uuid.uuid4().hex[:12]
@@ -220,6 +224,7 @@ def telemetry_options() -> dict[str, Any]:
 
 
 
+
 async def wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -262,10 +267,11 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             await service.drain(settings.request_timeout_s)
             engine.stop()
 
-    app = FastAPI(title="vitserve", version=VERSION, lifespan=lifespan,
+    app = FastAPI(title="vitserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Vision encoder for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images and videos in, "
                               "merged visual tokens out (see docs/api.md).", **telemetry_options())
     app.state.service = service
+    docs.install_pages(app)  # /docs and /redoc without a CDN
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -274,7 +280,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(422, "invalid_request", str(exc.errors()[:1]), "invalid_value").response()
+        return validation_error(exc.errors()).response()
 
     @app.post("/encode", response_model=EncodeResponse, responses={
         200: {"content": {encoders.SAFETENSORS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
@@ -326,6 +332,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js
+        if settings.api_key is not None:
+            docs.add_bearer_auth(schema, {"/encode": "post", "/info": "get"})
         app.openapi_schema = schema
         return schema
 

@@ -1,12 +1,13 @@
 """The API's errors: one JSON shape for every error status, `{"error": {"type", "message", "index", "code"}}`,
-and the mapping from the engine's exceptions and from validation failures onto it."""
+and the mapping from the engine's exceptions and from validation failures (JSON bodies, multipart
+options, FastAPI's own) onto it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from service.engine.types import (
     EngineDied,
@@ -16,6 +17,7 @@ from service.engine.types import (
     Overloaded,
     RequestRejected,
 )
+from service.http.schemas import VIDEO_ONLY
 
 
 class ApiError(Exception):
@@ -37,7 +39,8 @@ class ClientGone(Exception):
 
 
 def item_error(index: int, message: str, code: str) -> ApiError:
-    return ApiError(422, "invalid_item", message, code, index)
+    """422 `invalid_item`: the message names the item, as `index` does."""
+    return ApiError(422, "invalid_item", f"item {index}: {message}", code, index)
 
 
 def from_engine(exc: Exception) -> ApiError:
@@ -56,18 +59,41 @@ def from_engine(exc: Exception) -> ApiError:
     raise TypeError(exc)
 
 
-def pydantic_error(exc: ValidationError, prefix: tuple = ()) -> ApiError:
-    """The first problem, with the item index when it lies inside `items[i]`."""
-    err = exc.errors(include_url=False)[0]
-    loc = tuple(prefix) + tuple(err["loc"])
-    where = ".".join(str(p) for p in loc) or "body"
-    message = f"{where}: {err['msg'].removeprefix('Value error, ')}"
-    code = {"extra_forbidden": "unknown_field", "union_tag_invalid": "unsupported_type",
-            "missing": "missing_field", "json_invalid": "invalid_json"}.get(err["type"], "invalid_value")
-    if len(loc) >= 2 and loc[0] == "items" and isinstance(loc[1], int):
-        return item_error(loc[1], message, code)
-    return ApiError(422, "invalid_request", message, code)
+# pydantic error types -> the API's codes; anything else is an invalid value.
+_CODES = {"extra_forbidden": "unknown_field", "union_tag_invalid": "unsupported_type",
+          "union_tag_not_found": "missing_field", "missing": "missing_field", "json_invalid": "invalid_json"}
 
+
+def validation_error(errors: Sequence[Mapping[str, Any]], *, tagged: bool = False, where: str = "") -> ApiError:
+    """The first problem of a validation failure (pydantic's, or FastAPI's RequestValidationError), in
+    one shape whichever content type carried the request: a problem inside `items[i]` is item i's
+    (`invalid_item`, `index` i, a message that starts with "item i"), anything else the request's
+    (`invalid_request`). `tagged`: item locations carry the union's tag (image/video) after the index,
+    as JSON requests' do; `where` prefixes request-level locations (multipart: "options")."""
+    err = errors[0]
+    loc = [p for p in err["loc"] if p != "body"]  # FastAPI puts the body's errors under "body"
+    message = str(err["msg"]).removeprefix("Value error, ")
+    code = _CODES.get(err["type"], "invalid_value")
+    if len(loc) >= 2 and loc[0] == "items" and isinstance(loc[1], int):
+        index, tag, rest = loc[1], None, loc[2:]
+        if tagged and rest:
+            tag, rest = rest[0], rest[1:]
+        field = ".".join(str(p) for p in rest)
+        if err["type"] == "extra_forbidden" and tag == "image" and field in VIDEO_ONLY:
+            same_item = [e["loc"][-1] for e in errors if e["type"] == "extra_forbidden" and len(e["loc"]) == len(loc)
+                         and list(e["loc"][:3]) == list(err["loc"][:3]) and e["loc"][-1] in VIDEO_ONLY]
+            return video_option_on_image(index, same_item)
+        if err["type"] == "union_tag_not_found":
+            field, message = "type", "required: image or video"
+        return item_error(index, f"{field + ': ' if field else ''}{message}", code)
+    path = ".".join(str(p) for p in ([where] if where else []) + loc) or "body"
+    return ApiError(422, "invalid_request", f"{path}: {message}", code)
+
+
+def video_option_on_image(index: int, names: Sequence[str]) -> ApiError:
+    verb = "applies" if len(names) == 1 else "apply"
+    return item_error(index, f"{', '.join(sorted(names))} {verb} only to videos, and this item is an image",
+                      "invalid_option")
 
 
 def too_large(what: str, limit: int) -> ApiError:

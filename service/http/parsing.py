@@ -4,6 +4,7 @@ worker pool (a body is megabytes of base64); never touches the filesystem."""
 from __future__ import annotations
 
 import binascii
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +15,15 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from service.engine.types import MediaItem
-from service.http.errors import ApiError, item_error, pydantic_error
-from service.http.schemas import EncodeRequest, FileOptions, ImageItem, MultipartOptions, OutputOptions
+from service.http.errors import ApiError, item_error, validation_error, video_option_on_image
+from service.http.schemas import (
+    VIDEO_ONLY,
+    EncodeRequest,
+    FileOptions,
+    ImageItem,
+    MultipartOptions,
+    OutputOptions,
+)
 from service.media.sniff import sniff_modality
 from service.settings import ServeSettings
 
@@ -93,7 +101,7 @@ def parse_json_request(body: bytes, settings: ServeSettings) -> Parsed:
     try:
         req = EncodeRequest.model_validate_json(body)
     except ValidationError as exc:
-        raise pydantic_error(exc) from None
+        raise validation_error(exc.errors(include_url=False), tagged=True) from None
     check_count(len(req.items), settings)
     items = []
     for i, it in enumerate(req.items):
@@ -121,9 +129,6 @@ def check_ids(items: list[Pending]) -> None:
         if it.id in seen:
             raise item_error(it.index, f"id {it.id!r} is also item {seen[it.id]}'s", "duplicate_id")
         seen[it.id] = it.index
-
-
-VIDEO_ONLY = ("fps", "nframes", "min_frames", "max_frames", "video_start", "video_end", "total_pixels")
 
 
 @dataclass
@@ -179,6 +184,20 @@ def split_multipart(content_type: str, body: bytes, max_parts: int) -> list[Part
     return parts
 
 
+def check_video_options(raw: bytes, modalities: list[str | None]) -> None:
+    """Video-only options given for a file that is an image: refused before the options' own validation,
+    as the JSON path refuses them for an image item (an image item has no such fields)."""
+    try:
+        entries = json.loads(raw).get("items")
+    except (ValueError, AttributeError):
+        return  # not a JSON object: the validation that follows says how
+    if not isinstance(entries, list):
+        return
+    for i, (entry, modality) in enumerate(zip(entries, modalities)):
+        if modality == "image" and isinstance(entry, dict) and set(entry) & set(VIDEO_ONLY):
+            raise video_option_on_image(i, sorted(set(entry) & set(VIDEO_ONLY)))
+
+
 def parse_multipart(content_type: str, body: bytes, settings: ServeSettings) -> Parsed:
     parts = split_multipart(content_type, body, settings.max_items_per_request + 2)
     unknown = sorted({p.name for p in parts} - {"files", "options"})
@@ -192,25 +211,23 @@ def parse_multipart(content_type: str, body: bytes, settings: ServeSettings) -> 
     raw_options = [p for p in parts if p.name == "options"]
     if len(raw_options) > 1:
         raise ApiError(422, "invalid_request", "'options' must be one JSON text field", "invalid_multipart")
+    raw = bytes(raw_options[0].data) if raw_options else b"{}"
+    datas = [bytes(part.data) for part in files]
+    modalities = [sniff_modality(data) if data else None for data in datas]
+    check_video_options(raw, modalities)
     try:
-        options = MultipartOptions.model_validate_json(bytes(raw_options[0].data) if raw_options else b"{}")
+        options = MultipartOptions.model_validate_json(raw)
     except ValidationError as exc:
-        raise pydantic_error(exc, ("options",)) from None
+        raise validation_error(exc.errors(include_url=False), where="options") from None
     per_file = options.items or [FileOptions() for _ in files]
     if len(per_file) != len(files):
         raise ApiError(422, "invalid_request", f"options.items has {len(per_file)} entries for {len(files)} files",
                        "invalid_value")
     items = []
-    for i, (part, opts) in enumerate(zip(files, per_file)):
-        data = bytes(part.data)
-        if not data:
+    for i, (data, modality, opts) in enumerate(zip(datas, modalities, per_file)):
+        if modality is None:
             raise item_error(i, "the file is empty", "empty")
-        modality = sniff_modality(data)
         values = opts.model_dump(exclude={"id"}, exclude_none=True)
-        misplaced = sorted(set(values) & set(VIDEO_ONLY)) if modality == "image" else []
-        if misplaced:
-            raise item_error(i, f"option(s) {', '.join(misplaced)} apply to videos; this file is an image",
-                             "invalid_option")
         items.append(Pending(i, modality, data, None, values, opts.id))
     check_ids(items)
     return Parsed(items, OutputOptions(encoding_format=options.encoding_format, dtype=options.dtype,

@@ -71,6 +71,10 @@ class VideoOptions(ImageOptions):
         return self
 
 
+# Options that only videos take (refused for an image: invalid_option).
+VIDEO_ONLY = tuple(name for name in VideoOptions.model_fields if name not in ImageOptions.model_fields)
+
+
 class ImageItem(ImageOptions):
     type: Literal["image"]
     image: str = Field(description=MEDIA_DESCRIPTION)

@@ -23,7 +23,9 @@ from graphs.budgets import BudgetError, BudgetPlan
 from models.presets import DEFAULT_MODEL, PRESETS
 from service.engine.core import Engine
 from service.http.app import Service, create_app
+from service.http.protocol import HeadLimits, limited_protocol
 from service.metrics import Metrics
+from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
 from service.settings import ServeSettings, SettingsError
 
 log = logging.getLogger("vitserve.server")
@@ -66,6 +68,16 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
                                    "of t_capture temporal patches through graphs instead of eagerly")),
     ("--data-parallel", dict(help="engines, one per GPU, each in its own process behind this server: a number, or "
                                   "auto for every visible GPU (default 1: one engine in this process)")),
+    ("--max-header-bytes", dict(type=int, help="request line and headers together, 431 above (default 65536)")),
+    ("--max-header-line-bytes", dict(type=int, help="the request target, or one header field, 431 above "
+                                                    "(default 8192)")),
+    ("--max-header-fields", dict(type=int, help="header fields of one request, 431 above (default 100)")),
+    ("--header-timeout-s", dict(type=float, help="time a client has to send a request's head, 408 after "
+                                                 "(default 10)")),
+    ("--keep-alive-timeout-s", dict(type=float, help="an idle kept-alive connection is closed after it "
+                                                     "(default 5)")),
+    ("--max-connections", dict(type=int, help="open connections; requests beyond get 503, except GET /health "
+                                              "(default 1024)")),
     ("--batch-delay-ms", dict(type=float, help=argparse.SUPPRESS)),  # test hook: a slow engine
 ]
 
@@ -103,14 +115,21 @@ def check_plan(settings: ServeSettings) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    """Settings, then every check that needs no weights (service/preflight.py), then the bound port
+    and the server; a problem found before binding is one line on stderr and its exit code."""
     try:
         settings = settings_from_args(args)
         check_plan(settings)
     except (SettingsError, BudgetError) as exc:
         print(f"vitserve serve: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_SETTINGS
+    try:
+        sock = preflight(settings)
+    except StartupError as exc:
+        print(f"vitserve serve: {exc}", file=sys.stderr)
+        return exc.code
     configure_logging(settings.log_level)
-    return serve(settings)
+    return serve(settings, sock)
 
 
 class DrainingServer(uvicorn.Server):
@@ -146,24 +165,35 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
     def fatal(self, reason: str) -> None:
-        """Start-up failed (called from the loading thread): exit non-zero."""
-        self.exit_code = 1
+        """Start-up failed after the port was bound (called from the loading thread): exit non-zero."""
+        self.exit_code = EXIT_FAILED
         self.should_exit = True
 
 
 SWITCH_INTERVAL_S = 0.0005
 
 
-def serve(settings: ServeSettings) -> int:
+def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn as the server runs it: the HTTP protocol with the request-head and connection bounds."""
+    limits = HeadLimits(max_bytes=settings.max_header_bytes, max_line_bytes=settings.max_header_line_bytes,
+                        max_fields=settings.max_header_fields, timeout_s=settings.header_timeout_s,
+                        max_connections=settings.max_connections)
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, http=limited_protocol(limits), log_config=None,
+        log_level=settings.log_level, timeout_graceful_shutdown=10, server_header=False,
+        timeout_keep_alive=settings.keep_alive_timeout_s, access_log=settings.log_level in ("debug", "trace"))
+    return uvicorn.Config(app, **{**options, **overrides})
+
+
+def serve(settings: ServeSettings, sock: socket.socket | None = None) -> int:
+    """Run the server on `sock` (bound by preflight), else on --host/--port; returns the exit code."""
     if settings.model_defaulted:
         log.warning("no --model given: serving the embedded %s preset (random weights, for trying the API)",
                     DEFAULT_MODEL)
     metrics = Metrics()
     engine = Engine(settings, metrics)
     app = create_app(settings, engine=engine, metrics=metrics)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            log_level=settings.log_level, timeout_graceful_shutdown=10, server_header=False,
-                            access_log=settings.log_level in ("debug", "trace"))
+    config = uvicorn_config(app, settings)
     server = DrainingServer(config, app.state.service, settings.request_timeout_s)
     engine.on_fatal = server.fatal
     # The engine thread and the event loop give the GIL up at every device call and must win it back
@@ -171,7 +201,11 @@ def serve(settings: ServeSettings) -> int:
     # cost up to 5 ms, many times per batch.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     log.info("settings: %s", settings.public_dict())
-    server.run()
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        log.info("listening on http://%s:%d; loading the model in the background (GET /ready: 200 once done)",
+                 host, port)
+    server.run(sockets=None if sock is None else [sock])
     return server.exit_code
 
 

@@ -1,0 +1,95 @@
+"""What `vitserve serve` checks before it binds its port, and the exit codes it stops with.
+
+Loading the weights and capturing the graphs take long, so they run after the port is bound (in a
+background thread: /health answers meanwhile, /ready turns 200 when they are done). Everything that
+can be known wrong before that is checked first, so that a misconfigured server never binds its
+port and stops with one line on stderr and a code that says whose problem it is:
+
+- 2 (`EXIT_SETTINGS`): a flag or `VITSERVE_*` variable is invalid, the device is not there, the
+  `--ec-shared-storage` folder is not writable, or the port cannot be bound (in use, not allowed);
+- 3 (`EXIT_MODEL`): the model cannot be loaded: no such preset nor folder, an unreadable config.json
+  or preprocessor config, an unsupported family, missing safetensors, or vision tensors missing,
+  unexpected or mis-shaped for the config (read from the safetensors headers, not the weights);
+- 1 (`EXIT_FAILED`): a failure after the port was bound (loading or capturing failed nevertheless,
+  every engine of `--data-parallel` exited).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from service.settings import ServeSettings
+
+EXIT_FAILED = 1
+EXIT_SETTINGS = 2
+EXIT_MODEL = 3
+
+
+class StartupError(Exception):
+    """A reason not to start: `str()` is the line to print, `code` the exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(" ".join(message.split()))
+        self.code = code
+
+
+def check_device(device: str) -> None:
+    """--device names a device this machine has (without creating a CUDA context)."""
+    import torch
+
+    if device in ("auto", "cpu"):
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise StartupError(f"--device {device!r}: use auto, cpu, cuda or cuda:N", EXIT_SETTINGS) from None
+    if dev.type != "cuda":
+        raise StartupError(f"--device {device!r}: use auto, cpu, cuda or cuda:N", EXIT_SETTINGS)
+    if not torch.cuda.is_available():
+        raise StartupError(f"--device {device}: CUDA is not available on this machine", EXIT_SETTINGS)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise StartupError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) are visible", EXIT_SETTINGS)
+
+
+def check_model(model: str) -> str:
+    """The model source, without reading its weights (models.loader.check_model); returns its family."""
+    from models.loader import CheckpointError, check_model
+
+    try:
+        return check_model(model)
+    except CheckpointError as exc:
+        raise StartupError(f"--model: {exc}", EXIT_MODEL) from None
+
+
+def check_storage(settings: ServeSettings) -> None:
+    if settings.ec_shared_storage is None:
+        return
+    from service.handoff.ec_storage import ECSharedStorage
+
+    try:
+        ECSharedStorage(settings.ec_shared_storage).check()
+    except OSError as exc:
+        raise StartupError(f"--ec-shared-storage {settings.ec_shared_storage}: not a writable folder "
+                           f"({exc.strerror or exc})", EXIT_SETTINGS) from None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound as uvicorn binds it (address reuse for quick restarts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)",
+                           EXIT_SETTINGS) from None
+    return sock
+
+
+def preflight(settings: ServeSettings) -> socket.socket:
+    """Every check above, then the bound socket to serve on; raises StartupError."""
+    check_device(settings.device)
+    check_model(settings.model)
+    check_storage(settings)
+    return bind(settings.host, settings.port)
