@@ -6,43 +6,13 @@
 #   docker run --rm --gpus all -p 8000:8000 -v /models:/models:ro vitserve:0.1.0 \
 #       --model /models/Qwen2.5-VL-7B-Instruct
 #
-# Arguments after the image name are `vitserve serve` flags. Every flag can also be set with an environment
-# variable VITSERVE_<FLAG_IN_UPPER_SNAKE> (`docker run -e VITSERVE_MAX_BATCH_TOKENS=32768 ...`); a flag given
-# on the command line wins over its variable. The variables:
+# Arguments after the image name are `vitserve serve` flags; `docker run --rm vitserve:0.1.0 --help` lists every
+# one with its default. Every flag can also be set with an environment variable VITSERVE_<FLAG_IN_UPPER_SNAKE>
+# (`docker run -e VITSERVE_MAX_BATCH_TOKENS=32768 ...`); a flag given on the command line wins over its
+# variable. This image sets VITSERVE_HOST=0.0.0.0. docs/deployment.md has the table of flags and variables.
 #
-#   VITSERVE_MODEL                    checkpoint folder (mounted read-only) or preset; tiny-qwen2-vl
-#   VITSERVE_HOST                     bind address; 0.0.0.0 in this image (the server alone: 127.0.0.1)
-#   VITSERVE_PORT                     listen port; 8000
-#   VITSERVE_DEVICE                   cuda | cpu | auto; auto
-#   VITSERVE_DTYPE                    bfloat16 | float16 | float32 | auto; auto
-#   VITSERVE_SERVED_MODEL_NAME        model name reported by the API
-#   VITSERVE_MAX_BATCH_TOKENS         token budget of one batch; 16384
-#   VITSERVE_BUDGETS                  comma list of CUDA-graph token budgets; auto
-#   VITSERVE_T_CAPTURE                temporal size captured into graphs; 8
-#   VITSERVE_MAX_WAIT_MS              batching window in ms; 2
-#   VITSERVE_MAX_QUEUED_TOKENS        queue bound in tokens; 8 x max batch tokens
-#   VITSERVE_MAX_CONCURRENT_REQUESTS  in-flight request bound; 512
-#   VITSERVE_MAX_BATCH_ITEMS          images/videos in one batch
-#   VITSERVE_MAX_ITEMS_PER_REQUEST    images/videos in one request; 64
-#   VITSERVE_PREPROCESS_WORKERS       worker processes decoding media and encoding responses
-#   VITSERVE_WORKER_MAX_RSS_MIB       memory a worker may use on one item; 4096
-#   VITSERVE_MAX_PAYLOAD_BYTES        request body limit; 64 MiB
-#   VITSERVE_REQUEST_TIMEOUT_S        per-request timeout, also the drain deadline on SIGTERM; 60
-#   VITSERVE_API_KEY                  API key; a secret: use --env-file, not the command line
-#   VITSERVE_LOG_LEVEL                critical | error | warning | info | debug | trace; info
-#   VITSERVE_EAGER                    true: no CUDA graphs (eager PyTorch)
-#   VITSERVE_ALLOW_URL                true: accept image/video URLs (off by default)
-#   VITSERVE_ALLOWED_HOSTS            hosts URLs may point at, with VITSERVE_ALLOW_URL
-#   VITSERVE_URL_TIMEOUT_S            timeout of one URL fetch
-#   VITSERVE_VIDEO_CHUNKING           video chunking (not implemented yet: leave unset)
-#   VITSERVE_EC_SHARED_STORAGE        folder shared with an LLM server's encoder-cache connector
-#   VITSERVE_DATA_PARALLEL            encoder replicas (one GPU each) in this process; only 1 for now
-#   VITSERVE_MAX_HEADER_BYTES         request line and headers together, 431 above; 65536
-#   VITSERVE_MAX_HEADER_LINE_BYTES    request target or one header field, 431 (414) above; 8192
-#   VITSERVE_MAX_HEADER_FIELDS        header fields of one request, 431 above; 100
-#   VITSERVE_HEADER_TIMEOUT_S         time a client has to send a request head, 408 after; 10
-#   VITSERVE_KEEP_ALIVE_TIMEOUT_S     idle kept-alive connections are closed after it; 5
-#   VITSERVE_MAX_CONNECTIONS          open connections; requests beyond get 503; 1024
+# The server's processes (worker processes, engine processes) pass pixels and embeddings through /dev/shm:
+# give the container room there (`--shm-size 4g`, or `--ipc host`); Docker's default of 64 MiB is too small.
 #
 # Endpoints: GET /health (liveness), GET /ready (readiness), GET /metrics (Prometheus), POST /encode.
 # On SIGTERM the server drains (ready -> 503, in-flight requests finish) and exits within the request timeout:

@@ -58,7 +58,9 @@ class GraphPool:
     def capture(self, keys: list[GraphKey]) -> None:
         start = time.perf_counter()
         is_cuda = self.device.type == "cuda"
-        free_before = torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
+        if is_cuda:
+            torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(self.device) if is_cuda else 0
         if is_cuda:
             self._mempool = torch.cuda.graph_pool_handle()
             self._warmup = self._warmup_stream()
@@ -82,9 +84,10 @@ class GraphPool:
             torch.cuda.synchronize(self.device)
             # The warm-up runs' activations sit cached in the ordinary allocator (gigabytes for the
             # largest budget); hand them back so that what stays taken is the graphs' own pool and
-            # the shared buffers, which is what pool_bytes reports.
+            # the shared buffers, which is what pool_bytes reports (the allocator's own count: other
+            # processes on the device do not move it).
             torch.cuda.empty_cache()
-            self.stats.pool_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+            self.stats.pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
         self.stats.captured = sum(g.graph is not None for g in self.graphs.values())
         self.stats.graph_keys = len(self.graphs)
         self.stats.capture_seconds = time.perf_counter() - start

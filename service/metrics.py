@@ -96,6 +96,27 @@ class EngineCollector(Collector):
         yield from (up, outstanding, batches, items, hits, misses)
 
 
+class MemoryCollector(Collector):
+    """Device memory of each engine by kind (weights, graph pool, ...), as the engines last reported it."""
+
+    KINDS = ("limit", "weights", "graph_pool", "other_allocated", "outside_allocator", "peak_reserved", "free")
+
+    def __init__(self, memory: Callable[[], list[dict[str, Any] | None]]) -> None:
+        self._memory = memory
+
+    def collect(self) -> Iterable:
+        family = GaugeMetricFamily("vitserve_gpu_memory_bytes", "Device memory by kind, per engine: the budget "
+                                   "(--gpu-memory), weights, graph pool and buffers, other allocator blocks, outside "
+                                   "the allocator (CUDA context, libraries), the allocator's peak, free on the device",
+                                   labels=["gpu", "kind"])
+        for i, report in enumerate(self._memory()):
+            for kind in self.KINDS:
+                value = (report or {}).get(kind)
+                if value is not None:
+                    family.add_metric([str(i), kind], value)
+        yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -131,6 +152,9 @@ class Metrics:
 
     def attach_pool(self, stats: StatsSource) -> None:
         self._pool_stats = stats
+
+    def attach_memory(self, memory: Callable[[], list[dict[str, Any] | None]]) -> None:
+        self.registry.register(MemoryCollector(memory))
 
     def attach_engines(self, engines: Callable[[], list[EngineSample]]) -> None:
         """Per-engine series, only for a multi-engine server (the single engine has no `gpu` label)."""

@@ -52,47 +52,88 @@ class SettingsError(ValueError):
     """Settings the server cannot start with; the message names the flag and its variable."""
 
 
+def flag(help: str, text: bool = False, **kwargs: Any) -> Any:
+    """A setting that is also a `vitserve serve` flag: `help` is its --help text, which names its default;
+    `text`: the flag takes its value as written (on/off) even where the setting is a switch."""
+    return Field(description=help, json_schema_extra={"text": True} if text else None, **kwargs)
+
+
 class ServeSettings(BaseModel):
+    """Every setting of `vitserve serve`, each also its flag (`--max-batch-tokens`) and its variable
+    (`VITSERVE_MAX_BATCH_TOKENS`): the one definition the CLI, the docs and the chart are checked against."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: str = Field(DEFAULT_MODEL, description="checkpoint folder or preset name")
-    model_defaulted: bool = Field(False, description="no --model given: serving the embedded default")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    device: str = "auto"
-    dtype: str = Field("auto", pattern="^(auto|bfloat16|float16|float32)$")
-    served_model_name: str | None = None
-    max_batch_tokens: int = Field(16384, ge=1)
-    budgets: list[int] | None = Field(None, description="graph token budgets; None: powers of two")
-    t_capture: int = Field(8, ge=1)
-    max_wait_ms: float = Field(2.0, ge=0)
-    max_queued_tokens: int | None = Field(None, ge=1, description="None: 8 x --max-batch-tokens")
-    max_concurrent_requests: int = Field(512, ge=1)
-    max_payload_bytes: int = Field(64 * MIB, ge=1024)
-    request_timeout_s: float = Field(60.0, gt=0)
-    api_key: SecretStr | None = None
-    log_level: str = Field("info", pattern="^(critical|error|warning|info|debug|trace)$")
-    eager: bool = False
-    max_batch_items: int | None = Field(None, ge=1)
-    max_items_per_request: int = Field(64, ge=1)
-    preprocess_workers: int = Field(default_factory=default_workers, ge=1)
-    worker_max_rss_mib: int = Field(4096, ge=64)
-    allow_url: bool = False
-    allowed_hosts: list[str] = Field(default_factory=list)
-    url_timeout_s: float = Field(10.0, gt=0)
-    ec_shared_storage: Path | None = None
-    video_chunking: bool = False
-    data_parallel: int | Literal["auto"] = Field(1, description="engines, one per GPU (auto: every visible GPU)")
+    model: str = flag(f"checkpoint folder or preset; default: the embedded {DEFAULT_MODEL} preset (random weights)",
+                      default=DEFAULT_MODEL)
+    model_defaulted: bool = Field(False, json_schema_extra={"flag": False})  # no --model given
+    host: str = flag("bind address (default 127.0.0.1)", default="127.0.0.1")
+    port: int = flag("listen port (default 8000; 0 picks a free one)", default=8000, ge=0, le=65535)
+    device: str = flag("auto | cpu | cuda | cuda:N (default auto)", default="auto")
+    dtype: str = flag("auto | bfloat16 | float16 | float32 (default auto: bf16 on CUDA, fp32 on the CPU)",
+                      default="auto", pattern="^(auto|bfloat16|float16|float32)$")
+    attention: str = flag("auto | varlen | cudnn | sdpa (default auto: cuDNN where it passes its load-time check, "
+                          "else varlen_attn, on CUDA; SDPA on the CPU)", default="auto",
+                          pattern="^(auto|varlen|cudnn|sdpa)$")
+    served_model_name: str | None = flag("model name reported by the API (default: --model)", default=None)
+    max_batch_tokens: int = flag("token budget of the largest batch and graph (default 16384)", default=16384, ge=1)
+    budgets: list[int] | None = flag("comma list of graph token budgets, or auto (default: powers of two up to "
+                                     "--max-batch-tokens)", default=None)
+    t_capture: int = flag("temporal patches per video slot captured in graphs (default 8)", default=8, ge=1)
+    gpu_memory: str | None = flag("device memory the server may use, in bytes (4GiB, 4096MiB) or as a fraction of "
+                                  "the device (0.5); the graph budgets shrink to fit (default: no bound)", default=None)
+    max_wait_ms: float = flag("how long a batch may wait to fill, while other requests are still being prepared "
+                              "(default 2)", default=2.0, ge=0)
+    max_queued_tokens: int | None = flag("queue bound in tokens, estimated before decoding; 429 above (default 8x "
+                                         "--max-batch-tokens)", default=None, ge=1)
+    max_concurrent_requests: int = flag("requests in flight, 429 above (default 512)", default=512, ge=1)
+    max_payload_bytes: int = flag("request body limit, 413 above (default 64 MiB)", default=64 * MIB, ge=1024)
+    request_timeout_s: float = flag("per-request timeout, 504 after; also the drain deadline (default 60)",
+                                    default=60.0, gt=0)
+    api_key: SecretStr | None = flag("require 'Authorization: Bearer <key>' on /encode and /info (prefer the "
+                                     "VITSERVE_API_KEY variable: flags show in process lists; default none)",
+                                     default=None)
+    log_level: str = flag("critical | error | warning | info | debug | trace (default info)", default="info",
+                          pattern="^(critical|error|warning|info|debug|trace)$")
+    eager: bool = flag("no CUDA graphs: eager PyTorch only (default off)", default=False)
+    max_batch_items: int | None = flag("items per batch (default 256, at most the largest budget)", default=None,
+                                       ge=1)
+    max_items_per_request: int = flag("items per request, 422 above (default 64)", default=64, ge=1)
+    preprocess_workers: int = flag("worker processes that decode and preprocess media and encode responses "
+                                   "(default: the cores but two, from 2 to 16)", default_factory=default_workers, ge=1)
+    worker_max_rss_mib: int = flag("a worker whose memory passes this while it works on an item is killed, and the "
+                                   "item refused (default 4096)", default=4096, ge=64)
+    allow_url: bool = flag("fetch http(s) media URLs whose host is in --allowed-hosts (default off)", default=False)
+    allowed_hosts: list[str] = flag("comma list of hosts URLs may name (*.example.com allowed; default none)",
+                                    default_factory=list)
+    url_timeout_s: float = flag("total time to fetch one URL (default 10)", default=10.0, gt=0)
+    ec_shared_storage: Path | None = flag("folder shared with vLLM's encoder-cache connector: items with an id are "
+                                          "also written to PATH/<id>/encoder_cache.safetensors (default none)",
+                                          default=None)
+    video_chunking: bool = flag("on | off (default off): serve videos longer than --t-capture as exact chunks of "
+                                "t_capture temporal patches through graphs instead of eagerly", default=False,
+                                text=True)
+    data_parallel: int | Literal["auto"] = flag("engines, one per GPU, each in its own process: a number, or auto "
+                                                "for every visible GPU (default 1)", default=1)
     # Bounds on a request's head and on connections, enforced by the HTTP protocol before the app
     # (service/http/protocol.py): 431, 408 or 503, and the connection closed.
-    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and headers, in bytes")
-    max_header_line_bytes: int = Field(8 * 1024, ge=256, description="the request target, or one header field")
-    max_header_fields: int = Field(100, ge=1)
-    header_timeout_s: float = Field(10.0, gt=0, description="from connection (or request) start to the head's end")
-    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after it")
-    max_connections: int = Field(1024, ge=1, description="open connections; requests beyond get 503")
-    # Test hook: sleep this long before every batch (a slow engine for timeout and drain tests).
-    batch_delay_ms: float = Field(0.0, ge=0)
+    max_header_bytes: int = flag("request line and headers together, 431 above (default 65536)", default=64 * 1024,
+                                 ge=1024)
+    max_header_line_bytes: int = flag("the request target, or one header field, 431 above (default 8192)",
+                                      default=8 * 1024, ge=256)
+    max_header_fields: int = flag("header fields of one request, 431 above (default 100)", default=100, ge=1)
+    header_timeout_s: float = flag("time a client has to send a request's head, 408 after (default 10)",
+                                   default=10.0, gt=0)
+    keep_alive_timeout_s: float = flag("an idle kept-alive connection is closed after it (default 5)", default=5.0,
+                                       gt=0)
+    max_connections: int = flag("open connections; requests beyond get 503, except GET /health (default 1024)",
+                                default=1024, ge=1)
+
+    @classmethod
+    def flag_fields(cls) -> list[str]:
+        """The settings that are flags, in definition order."""
+        return [name for name, f in cls.model_fields.items()
+                if not (isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("flag") is False)]
 
     @field_validator("budgets", mode="before")
     @classmethod
@@ -148,6 +189,10 @@ class ServeSettings(BaseModel):
                              f"{self.max_header_bytes}")
         if self.budgets and any(b < 1 for b in self.budgets):
             raise ValueError(f"--budgets must be positive token counts, got {self.budgets}")
+        if self.gpu_memory is not None:
+            from service.engine.memory import parse_memory
+
+            parse_memory(self.gpu_memory)
         return self
 
     def _check_engines(self) -> None:
@@ -193,7 +238,7 @@ class ServeSettings(BaseModel):
 
     def public_dict(self) -> dict[str, Any]:
         """For /info and logs: everything except the secret."""
-        data = self.model_dump(mode="json", exclude={"api_key", "model_defaulted", "batch_delay_ms"})
+        data = self.model_dump(mode="json", exclude={"api_key", "model_defaulted"})
         data["api_key_set"] = self.api_key is not None
         return data
 

@@ -151,3 +151,21 @@ def test_fastapi_telemetry_is_off_unless_opentelemetry_is_configured(monkeypatch
     assert telemetry_options() == (off if supported else {})
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     assert telemetry_options() == {}
+
+
+def test_every_flag_comes_from_the_settings_and_names_its_true_default():
+    """One definition: the flags are the settings' fields; each help text names the default the field has."""
+    fields = ServeSettings.flag_fields()
+    assert [f.removeprefix("--").replace("-", "_") for f, _ in FLAGS] == fields
+    for name in fields:
+        field = ServeSettings.model_fields[name]
+        help_text = field.description or ""
+        assert "default" in help_text, name
+        default = field.default
+        if isinstance(default, bool):
+            assert ("default off" in help_text) == (default is False), name
+        elif isinstance(default, (int, float)) and not isinstance(default, bool) and name != "max_payload_bytes":
+            shown = f"{default:g}" if isinstance(default, float) else str(default)
+            assert f"default {shown}" in help_text, (name, help_text)
+        elif isinstance(default, str):
+            assert default in help_text, (name, help_text)

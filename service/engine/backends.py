@@ -83,7 +83,8 @@ class LocalBackend:
             self.runner = build_runner(self.settings)
         self.model = ModelInfo.from_runner(self.runner)
         self.device = self.model.device
-        self.stats = self.runner.stats.as_dict()
+        self._executor = BatchExecutor(self.runner, self.settings.gpu_memory)
+        self.stats = self._executor.stats()
         self.state = "ready"
         return self.model
 
@@ -96,7 +97,7 @@ class LocalBackend:
 
         def run() -> None:
             bind_device(self.runner.device)
-            serve_jobs(BatchExecutor(self.runner), self._jobs.get, reply, name=f"vitserve-complete-{self.index}")
+            serve_jobs(self._executor, self._jobs.get, reply, name=f"vitserve-complete-{self.index}")
 
         self._thread = threading.Thread(target=run, name=f"vitserve-engine-{self.index}", daemon=True)
         self._thread.start()
@@ -276,7 +277,8 @@ def engine_main(index: int, settings: ServeSettings, conn: Connection, parent: i
             log.exception("engine %d: start-up failed: %s", index, message)
         conn.send(("failed", message))
         _exit(1)
-    conn.send(("ready", ModelInfo.from_runner(runner), runner.stats.as_dict()))
+    executor = BatchExecutor(runner, settings.gpu_memory)
+    conn.send(("ready", ModelInfo.from_runner(runner), executor.stats()))
 
     def receive() -> BatchJob | None:
         try:
@@ -285,7 +287,7 @@ def engine_main(index: int, settings: ServeSettings, conn: Connection, parent: i
             return None
         return message[1] if message[0] == "run" else None
 
-    serve_jobs(BatchExecutor(runner), receive, conn.send)
+    serve_jobs(executor, receive, conn.send)
     _exit(0)
 
 

@@ -67,6 +67,7 @@ class Engine:
         self._inflight = 0  # requests holding a slot
         self._reserved = 0  # tokens admitted and not yet handed to an engine
         self.metrics.attach_pool(_MergedStats(self.backends))
+        self.metrics.attach_memory(self.memory)
         if len(self.backends) > 1:
             self.metrics.attach_engines(self._samples)
 
@@ -427,11 +428,16 @@ class Engine:
                           "max_pixels": proc.video.max_pixels, "total_pixels": proc.video.total_pixels},
             },
             "pool": _MergedStats(self.backends).as_dict(),
+            "memory": self.memory()[0] if len(self.backends) == 1 else self.memory(),
         })
         if len(self.backends) > 1:
             out.update(data_parallel=len(self.backends), engines=self.batcher.engine_rows())
         return out
 
+
+    def memory(self) -> list[dict[str, Any] | None]:
+        """Each engine's device memory, as it last reported (None on the CPU)."""
+        return [(b.stats or {}).get("memory") for b in self.backends]
 
     def _graphs(self) -> dict[str, Any]:
         """How the keys run: CUDA graphs (how many per engine), or fixed-shape eager forwards and why."""

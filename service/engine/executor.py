@@ -41,11 +41,23 @@ class Running:
 
 
 class BatchExecutor:
-    def __init__(self, runner: GraphRunner) -> None:
+    def __init__(self, runner: GraphRunner, gpu_memory: str | None = None) -> None:
         self.runner = runner
         self.device = runner.device
         self.cuda = runner.device.type == "cuda"
         self.patch_dim = runner.tower.processor.patch_dim
+        self.gpu_memory = gpu_memory
+        self._memory: tuple[float, dict | None] = (0.0, None)
+
+    def stats(self) -> dict:
+        """The pool's counters, and the device memory (read at most once a second: NVML is not free)."""
+        from service.engine.memory import report
+
+        at, memory = self._memory
+        if self.cuda and time.monotonic() - at > 1.0:
+            memory = report(self.runner, self.gpu_memory)
+            self._memory = (time.monotonic(), memory)
+        return {**self.runner.stats.as_dict(), "memory": memory}
 
     def start(self, job: BatchJob) -> Running:
         """Stage the job and enqueue its device work; returns without waiting for the device."""
@@ -108,7 +120,7 @@ def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
         while (running := pending.get()) is not None:
             try:
                 seconds = executor.finish(running)
-                send(("done", running.job.id, seconds, executor.runner.stats.as_dict()))
+                send(("done", running.job.id, seconds, executor.stats()))
             except Exception as exc:
                 send(_failure(running.job, exc))
 

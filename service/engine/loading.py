@@ -21,8 +21,17 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     t0 = time.perf_counter()
     device = resolve_device(s.device)
     bind_device(device)
-    tower = load_tower(s.model, device=s.device, dtype=s.dtype)
-    plan = plan_for(tower, s.max_batch_tokens, s.budgets, s.max_batch_items, s.t_capture)
+    tower = load_tower(s.model, device=s.device, dtype=s.dtype, attention=s.attention)
+    max_tokens, budgets = s.max_batch_tokens, s.budgets
+    if s.gpu_memory is not None and device.type == "cuda":
+        from service.engine.memory import fit_budget
+
+        max_tokens, message = fit_budget(tower, device, s.gpu_memory, s.max_batch_tokens)
+        log.info(message)
+        if budgets:
+            budgets = [b for b in budgets if b <= max_tokens] or [max_tokens]
+    items = min(s.max_batch_items, max_tokens) if s.max_batch_items else None
+    plan = plan_for(tower, max_tokens, budgets, items, s.t_capture)
     runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
     log.info("loaded %s (%s) on %s in %.1fs; %s", s.model, tower.family, device, time.perf_counter() - t0,
              runner.capture_plan())

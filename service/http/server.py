@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 
 from graphs.budgets import BudgetError, BudgetPlan
-from models.presets import DEFAULT_MODEL, PRESETS
+from models.presets import DEFAULT_MODEL
 from service.engine.core import Engine
 from service.http.app import Service, create_app
 from service.http.protocol import HeadLimits, limited_protocol
@@ -30,56 +30,27 @@ from service.settings import ServeSettings, SettingsError
 
 log = logging.getLogger("vitserve.server")
 
-# (flag, argparse kwargs); the settings field is the flag in snake case, its variable VITSERVE_<FIELD>.
-FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", dict(help=f"checkpoint folder or preset ({', '.join(PRESETS)}); default: the embedded "
-                          f"{DEFAULT_MODEL} preset")),
-    ("--host", dict(help="bind address (default 127.0.0.1)")),
-    ("--port", dict(type=int, help="listen port (default 8000; 0 picks a free one)")),
-    ("--device", dict(help="auto | cpu | cuda | cuda:N (default auto)")),
-    ("--dtype", dict(help="auto | bfloat16 | float16 | float32 (default auto: bf16 on CUDA, fp32 on CPU)")),
-    ("--served-model-name", dict(help="model name reported by the API (default: --model)")),
-    ("--max-batch-tokens", dict(type=int, help="token budget of the largest batch/graph (default 16384)")),
-    ("--budgets", dict(help="comma list of graph token budgets, or auto (default: powers of two)")),
-    ("--t-capture", dict(type=int, help="temporal patches per video slot captured in graphs (default 8)")),
-    ("--max-wait-ms", dict(type=float, help="how long a batch may wait to fill (default 2)")),
-    ("--max-queued-tokens", dict(type=int, help="queue bound in tokens, 429 above (default 8x max batch tokens)")),
-    ("--max-concurrent-requests", dict(type=int, help="requests in flight, 429 above (default 512)")),
-    ("--max-payload-bytes", dict(type=int, help="request body limit, 413 above (default 64 MiB)")),
-    ("--request-timeout-s", dict(type=float, help="per-request timeout, 504 after; also the drain deadline "
-                                                  "(default 60)")),
-    ("--api-key", dict(help="require 'Authorization: Bearer <key>' on /encode and /info (prefer the "
-                            "VITSERVE_API_KEY variable: flags show in process lists)")),
-    ("--log-level", dict(help="critical | error | warning | info | debug | trace (default info)")),
-    ("--eager", dict(action=argparse.BooleanOptionalAction, help="no CUDA graphs: eager PyTorch only")),
-    ("--max-batch-items", dict(type=int, help="items per batch (default 256, at most the largest budget)")),
-    ("--max-items-per-request", dict(type=int, help="items per request, 422 above (default 64)")),
-    ("--preprocess-workers", dict(type=int, help="worker processes that decode and preprocess media and encode "
-                                                 "responses (default: the cores but two, from 2 to 16)")),
-    ("--worker-max-rss-mib", dict(type=int, help="a worker whose memory passes this while it works on an item is "
-                                                 "killed, and the item refused (default 4096)")),
-    ("--allow-url", dict(action=argparse.BooleanOptionalAction,
-                         help="fetch http(s) media URLs whose host is in --allowed-hosts (default off)")),
-    ("--allowed-hosts", dict(help="comma list of hosts URLs may name (*.example.com allowed)")),
-    ("--url-timeout-s", dict(type=float, help="timeout of one URL fetch (default 10)")),
-    ("--ec-shared-storage", dict(help="folder shared with vLLM's encoder-cache connector: items with an id are "
-                                      "also written to PATH/<id>/encoder_cache.safetensors")),
-    ("--video-chunking", dict(help="on | off (default off): serve videos longer than --t-capture as exact chunks "
-                                   "of t_capture temporal patches through graphs instead of eagerly")),
-    ("--data-parallel", dict(help="engines, one per GPU, each in its own process behind this server: a number, or "
-                                  "auto for every visible GPU (default 1: one engine in this process)")),
-    ("--max-header-bytes", dict(type=int, help="request line and headers together, 431 above (default 65536)")),
-    ("--max-header-line-bytes", dict(type=int, help="the request target, or one header field, 431 above "
-                                                    "(default 8192)")),
-    ("--max-header-fields", dict(type=int, help="header fields of one request, 431 above (default 100)")),
-    ("--header-timeout-s", dict(type=float, help="time a client has to send a request's head, 408 after "
-                                                 "(default 10)")),
-    ("--keep-alive-timeout-s", dict(type=float, help="an idle kept-alive connection is closed after it "
-                                                     "(default 5)")),
-    ("--max-connections", dict(type=int, help="open connections; requests beyond get 503, except GET /health "
-                                              "(default 1024)")),
-    ("--batch-delay-ms", dict(type=float, help=argparse.SUPPRESS)),  # test hook: a slow engine
-]
+def serve_flags() -> list[tuple[str, dict[str, Any]]]:
+    """(flag, argparse keyword arguments) of every setting (service/settings.py is their one definition):
+    the flag is the field's name in kebab case, its help the field's description."""
+    out = []
+    for name in ServeSettings.flag_fields():
+        field = ServeSettings.model_fields[name]
+        kind = field.annotation
+        kwargs: dict[str, Any] = {"help": field.description}
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("text"):
+            pass
+        elif kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind in (int, int | None):
+            kwargs["type"] = int
+        elif kind in (float, float | None):
+            kwargs["type"] = float
+        out.append(("--" + name.replace("_", "-"), kwargs))
+    return out
+
+
+FLAGS = serve_flags()
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,195 @@
+"""Device memory: where it goes, and a budget an operator can set (`--gpu-memory`).
+
+A served tower holds its weights; the CUDA context and the libraries' handles and workspaces (outside
+PyTorch's allocator); the graph pool (the largest graph's activations, which every smaller graph reuses)
+with the static input and output buffers; and room for eager forwards (oversize items, and batches that
+the padding rule runs at their exact size), whose activations are as large as a graph's of the same
+tokens. All but the weights and the context grow with the largest token budget.
+
+With a budget, the largest token budget is the largest power of two whose measured needs fit: the
+activation bytes per token are measured on a probe forward after the weights are loaded, and the
+allocator is capped at what the budget leaves after the memory outside it, so that an eager forward
+that would pass the budget fails alone (an out-of-memory error for its batch) instead of taking memory
+another process on the GPU counts on.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("vitserve.engine")
+
+GIB = 2**30
+MIB = 2**20
+MARGIN = 256 * MIB  # for the allocator's rounding and fragmentation
+PROBE_TOKENS = 1024
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+class MemoryBudgetError(ValueError):
+    """Even the smallest useful graph pool does not fit the budget; the message says how much it needs."""
+
+
+def parse_memory(text: str | None) -> tuple[float | None, int | None]:
+    """(fraction of the device, bytes): `0.5` is a fraction, `4GiB`/`4096MiB`/`4000000000` are bytes."""
+    if text is None or not str(text).strip():
+        return None, None
+    value = str(text).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", value)
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"--gpu-memory takes bytes (4GiB, 4096MiB, 4000000000) or a fraction of the device "
+                         f"(0.5), got {text!r}")
+    number, unit = float(m.group(1)), m.group(2)
+    if not unit and number <= 1:
+        if number <= 0:
+            raise ValueError(f"--gpu-memory must be above 0, got {text!r}")
+        return number, None
+    return None, int(number * _UNITS[unit])
+
+
+@dataclass
+class MemoryReport:
+    """Bytes on the device, as /info and /metrics show them."""
+
+    total: int
+    limit: int | None  # the budget (--gpu-memory), None without one
+    weights: int
+    graph_pool: int  # the graphs' shared pool and the static buffers
+    other_allocated: int  # the allocator's other blocks (eager forwards, metadata cache...)
+    outside_allocator: int  # CUDA context, library handles and workspaces, kernel images
+    peak_reserved: int
+    free: int  # on the whole device, whoever holds the rest
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def process_bytes(device: torch.device) -> int | None:
+    """This process's device memory as the driver counts it (NVML), or None where NVML cannot say."""
+    try:
+        import os
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(index))
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return int(proc.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - no NVML, no per-process accounting in this container: estimate instead
+        return None
+    return None
+
+
+def _physical_index(index: int) -> int:
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [v for v in visible.split(",") if v.strip()]
+    return int(ids[index]) if index < len(ids) and ids[index].strip().isdigit() else index
+
+
+def outside_allocator(device: torch.device) -> int:
+    """Memory this process holds outside PyTorch's allocator: from NVML where it reports this process,
+    else the device's used memory less the allocator's (which counts other processes' memory too)."""
+    reserved = torch.cuda.memory_reserved(device)
+    used = process_bytes(device)
+    if used is None:
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+    return max(0, used - reserved)
+
+
+def weights_bytes(tower: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in tower.parameters())
+
+
+def activation_bytes_per_token(tower: Any, device: torch.device) -> float:
+    """Peak allocator bytes per merged token of an eager forward (the same kernels a graph captures)."""
+    side = int(round((PROBE_TOKENS * tower.merge_unit) ** 0.5))
+    side -= side % tower.merge
+    grid = [(1, side, side)]
+    pixels = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (side * side, tower.processor.patch_dim),
+                                                                  dtype=np.uint8)).to(device)
+    cap = tower.required_capacity(grid)
+    meta = {k: torch.from_numpy(v).to(device) for k, v in tower.build_metadata(grid, cap).items()}
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        tower(pixels, meta, cap)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / (side * side // tower.merge_unit)
+
+
+def buffer_bytes_per_token(tower: Any) -> float:
+    """Static inputs (uint8 pixels) and the joined output, per merged token."""
+    itemsize = next(tower.parameters()).element_size()
+    return tower.merge_unit * tower.processor.patch_dim + tower.out_hidden_size * (1 + tower.num_deepstack) * itemsize
+
+
+def limit_bytes(setting: str | None, device: torch.device) -> int | None:
+    fraction, size = parse_memory(setting)
+    if fraction is not None:
+        return int(fraction * torch.cuda.mem_get_info(device)[1])
+    return size
+
+
+def fit_budget(tower: Any, device: torch.device, setting: str, max_batch_tokens: int) -> tuple[int, str]:
+    """The largest token budget (a power of two, at most `max_batch_tokens`) whose graph pool, buffers and
+    eager headroom fit `--gpu-memory` beside the weights and the memory outside the allocator; caps the
+    allocator at what the budget leaves it. Returns (budget, a line saying what was chosen and why)."""
+    total = torch.cuda.mem_get_info(device)[1]
+    limit = limit_bytes(setting, device)
+    assert limit is not None
+    outside = outside_allocator(device)
+    allocator_cap = limit - outside
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved(device)
+    per_token = activation_bytes_per_token(tower, device)
+    torch.cuda.empty_cache()
+    per_token_total = 2 * per_token + buffer_bytes_per_token(tower)  # a graph's activations, an eager batch's
+    room = allocator_cap - held - MARGIN
+    budget = 0
+    b = 64
+    while b <= max_batch_tokens and b * per_token_total <= room:
+        budget = b
+        b *= 2
+    if max_batch_tokens not in (budget, *(64 * 2**k for k in range(20))) and max_batch_tokens * per_token_total <= room:
+        budget = max_batch_tokens
+    needed = held + outside + MARGIN + 64 * per_token_total
+    if budget == 0:
+        raise MemoryBudgetError(
+            f"--gpu-memory {setting} ({limit / GIB:.2f} GiB) is too small: the weights and the CUDA context take "
+            f"{(held + outside) / GIB:.2f} GiB and the smallest graph pool (64 tokens) needs {needed / GIB:.2f} GiB "
+            "in all")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap / total), device)
+    full = held + outside + MARGIN + max_batch_tokens * per_token_total
+    message = (f"--gpu-memory {limit / GIB:.2f} GiB: weights {weights_bytes(tower) / GIB:.2f} GiB, CUDA context and "
+               f"libraries {outside / GIB:.2f} GiB, {per_token / 1024:.0f} KiB of activations per token (twice: the "
+               f"graph pool and an eager batch) -> budgets up to {budget} tokens"
+               + ("" if budget == max_batch_tokens else f" ({max_batch_tokens} would need {full / GIB:.2f} GiB)"))
+    return budget, message
+
+
+def report(runner: Any, setting: str | None) -> dict[str, Any] | None:
+    """The engine's device memory now (None on the CPU)."""
+    device = runner.device
+    if device.type != "cuda":
+        return None
+    tower, pool_bytes, limit = runner.tower, runner.stats.pool_bytes, limit_bytes(setting, device)
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    weights = weights_bytes(tower)
+    return MemoryReport(total=total, limit=limit, weights=weights, graph_pool=pool_bytes,
+                        other_allocated=max(0, allocated - weights - pool_bytes),
+                        outside_allocator=outside_allocator(device),
+                        peak_reserved=torch.cuda.max_memory_reserved(device), free=free).as_dict()
