@@ -17,9 +17,9 @@ LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_
 ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
                  "single_encode_ms", "batch_images", "batch_ms", "batch_preprocess_ms", "batch_encode_ms",
                  "images_per_s", "encode_only_images_per_s", "single_reps", "batch_reps"}
-TARGET_FIELDS = {"reference", "saturation", "engine_replicas", "throughput_ratio", "throughput_ratio_target", "throughput_ratio_met",
-                 "latency_concurrency", "latency_p50_ms", "latency_overhead_ms", "latency_overhead_target_ms",
-                 "latency_overhead_met"}
+TARGET_FIELDS = {"reference", "saturation", "engine_replicas", "throughput_ratio", "throughput_ratio_target",
+                 "throughput_ratio_met", "latency_concurrency", "latency_p50_ms", "latency_overhead_ms",
+                 "latency_overhead_target_ms", "latency_overhead_met"}
 
 
 def test_http_bench_on_cpu(tmp_path):
@@ -126,3 +126,10 @@ def test_url_mode_needs_a_vitserve_info(fake_url, tmp_path):
     with pytest.raises(http_bench.BenchError, match="/info answered 501"):
         http_bench.run(url=fake_url, concurrency=[1], out=tmp_path, log=lambda s: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_level_spread_over_client_processes_counts_every_request():
+    with loopback_http_server(FakeEncode) as httpd:
+        level = http_bench.run_level(server_url(httpd), [b"{}"], concurrency=4, max_requests=20, time_limit_s=30,
+                                     processes=2)
+    assert level["requests"] == level["ok"] == 20 and level["errors"] == {} and level["stopped_by"] == "requests"

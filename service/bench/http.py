@@ -239,18 +239,48 @@ def percentiles_ms(latencies: Sequence[float]) -> dict[str, float | None]:
 
 
 def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requests: int, time_limit_s: float,
-              api_key: str | None = None, timeout_s: float = 120, client: str = "http.client") -> dict[str, Any]:
+              api_key: str | None = None, timeout_s: float = 120, client: str = "http.client",
+              processes: int = 1) -> dict[str, Any]:
     """C threads, each on its own connection, send requests back to back until `max_requests` have been
     sent or `time_limit_s` has passed; requests in flight then finish. Throughput is successes over the
-    wall time from the common start to the last answer. `client_cpu_util` is this process's CPU time over
-    that wall time: near 1 or above, the client itself (one Python process) may be the bottleneck."""
+    wall time from the common start to the last answer. `client_cpu_util` is the clients' CPU time over
+    that wall time, per client process: near 1, a client process itself may be the bottleneck; then
+    spread the threads over several `processes` (they start together, at one agreed time)."""
+    start_at = time.time() + (2.0 if processes > 1 else 0.2)
+    shares = [(concurrency * (k + 1)) // processes - (concurrency * k) // processes for k in range(processes)]
+    quotas = [(max_requests * (k + 1)) // processes - (max_requests * k) // processes for k in range(processes)]
+    args = [(base_url, bodies, c, q, time_limit_s, api_key, timeout_s, client, start_at)
+            for c, q in zip(shares, quotas) if c > 0]
+    if len(args) == 1:
+        parts = [_client_threads(*args[0])]
+    else:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(len(args)) as pool:
+            parts = pool.starmap(_client_threads, args)
+    latencies = [x for p in parts for x in p["latencies"]]
+    errors: Counter[str] = Counter()
+    for p in parts:
+        errors.update(p["errors"])
+    issued = sum(p["issued"] for p in parts)
+    wall = max(p["end"] for p in parts) - start_at
+    cpu = sum(p["cpu"] for p in parts)
+    return {"concurrency": concurrency, "requests": issued, "ok": len(latencies), "errors": dict(errors),
+            "elapsed_s": round(wall, 4), "images_per_s": round(len(latencies) / wall, 3) if wall > 0 else 0.0,
+            **percentiles_ms(latencies), "stopped_by": "requests" if issued >= max_requests else "time",
+            "client_cpu_util": round(cpu / wall / len(parts), 3) if wall > 0 else None}
+
+
+def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requests: int, time_limit_s: float,
+                    api_key: str | None, timeout_s: float, client: str, start_at: float) -> dict[str, Any]:
+    """One client process's share of a level: its threads start at `start_at` (wall-clock time)."""
     lock = threading.Lock()
     issued = 0
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     ready = threading.Barrier(concurrency + 1)
     go = threading.Event()
-    deadline = [0.0]
+    deadline = start_at + time_limit_s
 
     def worker() -> None:
         nonlocal issued
@@ -260,7 +290,7 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
             go.wait()
             while True:
                 with lock:
-                    if issued >= max_requests or time.perf_counter() >= deadline[0]:
+                    if issued >= max_requests or time.time() >= deadline:
                         return
                     i = issued
                     issued += 1
@@ -284,17 +314,13 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
     for t in threads:
         t.start()
     ready.wait(60)  # every client is built: creating 256 of them is not part of the measurement
-    start, cpu0 = time.perf_counter(), time.process_time()
-    deadline[0] = start + time_limit_s
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu0 = time.process_time()
     go.set()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
-    cpu = time.process_time() - cpu0
-    return {"concurrency": concurrency, "requests": issued, "ok": len(latencies), "errors": dict(errors),
-            "elapsed_s": round(wall, 4), "images_per_s": round(len(latencies) / wall, 3) if wall > 0 else 0.0,
-            **percentiles_ms(latencies), "stopped_by": "requests" if issued >= max_requests else "time",
-            "client_cpu_util": round(cpu / wall, 3) if wall > 0 else None}
+    return {"latencies": latencies, "errors": dict(errors), "issued": issued, "end": time.time(),
+            "cpu": time.process_time() - cpu0}
 
 
 # Server-side histograms whose mean over a level shows where a request's time went.
@@ -520,7 +546,7 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
         requests_per_level: int = DEFAULT_REQUESTS_PER_LEVEL, level_time_s: float = DEFAULT_LEVEL_TIME_S,
         max_batch_tokens: int = 16384, serve_flags: Sequence[str] = (), out: Path | None = None,
         distinct_images: int = 4, warmup_requests: int = 8, single_reps: int = 20, batch_reps: int = 5,
-        ready_timeout_s: float = 900, client: str = "http.client",
+        ready_timeout_s: float = 900, client: str = "http.client", client_processes: int = 1,
         log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The whole benchmark; returns (and writes to `out`, when given) the result document."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -570,7 +596,8 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
         for c in levels_wanted:
             before = server_stage_totals(base_url, api_key)
             engines_before = engine_counts(base_url, api_key)
-            level = run_level(base_url, bodies, c, requests_per_level, level_time_s, api_key, client=client)
+            level = run_level(base_url, bodies, c, requests_per_level, level_time_s, api_key, client=client,
+                              processes=min(client_processes, c))
             level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key))
             level["items_per_batch_by_gpu"] = items_per_batch(engines_before, engine_counts(base_url, api_key))
             levels.append(level)
@@ -580,6 +607,7 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
         return {"server": server, "workload": workload, "engine": engine, "levels": levels}
 
     limits = {"concurrency": levels_wanted, "requests_per_level": requests_per_level, "level_time_s": level_time_s,
+              "client_processes": client_processes,
               "warmup_requests": warmup_requests, "engine_single_reps": single_reps, "engine_batch_reps": batch_reps}
     if url is None:
         name = model or default_model()
@@ -641,7 +669,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         result = run(model=args.model, url=args.url, concurrency=levels,
                      requests_per_level=args.requests_per_level or DEFAULT_REQUESTS_PER_LEVEL,
                      level_time_s=args.level_time_s or DEFAULT_LEVEL_TIME_S, max_batch_tokens=args.max_batch_tokens,
-                     serve_flags=shlex.split(args.serve_flags or ""), out=args.out)
+                     serve_flags=shlex.split(args.serve_flags or ""), out=args.out,
+                     client_processes=getattr(args, "client_processes", None) or 1)
     except (BenchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
