@@ -371,8 +371,24 @@ class Aborted(Exception):
     """The caller refused a job's question: the job stops without a result."""
 
 
+def _keep_freed_memory() -> None:
+    """Keep freed blocks below 32 MiB in the process for reuse, and the heap's free top below 64 MiB.
+    glibc's defaults unmap every freed block above 128 KiB, so each job's megabyte-sized images faulted
+    fresh pages in again: a 448x448 image took 3.6 ms in a worker against 2.4 ms in a warm process
+    (2.5 ms with these settings; Linux, 2 cores)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: its own allocator's defaults
+        pass
+
+
 def worker_main(conn: Connection, front_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _keep_freed_memory()
     try:
         os.nice(5)  # the event loop and the engines win the cores when they are contended
     except OSError:
