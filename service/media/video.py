@@ -478,6 +478,15 @@ class VideoReader:
 
     def close(self) -> None:
         """Free the demuxer, the decoder (and its threads) and every packet now, not at collection time."""
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None and getattr(self, "_decoder_used", False):
+            # Let frame threads finish the frame they hold while the GIL is released (PyAV flushes without
+            # it): freeing the decoder later joins them with the GIL held, and a thread still decoding may
+            # need the GIL to log, which would deadlock.
+            try:
+                ctx.flush_buffers()
+            except (av.error.FFmpegError, RuntimeError):
+                pass
         if self._container is not None:
             self._container.close()
             self._container = None
