@@ -395,6 +395,10 @@ def plan_sampling(
 # -- patches --------------------------------------------------------------------------------------
 
 
+# Decoded RGB frames waiting for a resize thread, at most (besides the one being resized by each thread).
+_INFLIGHT_BYTES = 128 * 2**20
+
+
 class _PatchWriter:
     """Receives decoded frames, resizes each with PIL and writes its patches straight into the
     output, so full-size frames never pile up; resizing runs on a small thread pool (PIL releases
@@ -425,6 +429,8 @@ class _PatchWriter:
     def __call__(self, position: int, rgb: np.ndarray) -> None:
         if self._out is None:
             self._allocate(rgb.shape[0], rgb.shape[1])
+            # Full-size frames wait for a resize thread: bound them by bytes too (a 4096x4096 frame is 50 MB).
+            self._max_inflight = max(1, min(self._max_inflight, _INFLIGHT_BYTES // max(1, rgb.nbytes)))
         if self._pool is None:
             self._write(position, rgb)
             return
