@@ -262,3 +262,20 @@ def test_every_code_has_a_status() -> None:
     over = {c for c, status in HTTP_STATUS.items() if status == 413}
     assert over == {"too_large", "too_many_pixels", "too_many_frames", "too_much_work", "too_many_item_tokens"}
     assert http_status("corrupt_video") == 422 and http_status("something new") == 422
+
+
+def test_declared_frame_size_refused_before_ffmpeg_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.media.headers import declared_frame_sizes
+    from service.media.video import sniff_container
+
+    clips = [make_video(3, width=64, height=48, codec="libx264"),
+             make_video(3, width=64, height=48, codec="libx264", container="mov"),
+             make_video(3, width=64, height=48, codec="libvpx-vp9", container="webm"),
+             make_video(3, width=64, height=48, codec="mjpeg", container="avi")]
+    for data in clips:
+        assert set(declared_frame_sizes(data, sniff_container(data))) == {(64, 48)}
+    monkeypatch.setattr(av, "open", lambda *a, **k: pytest.fail("FFmpeg opened the file"))
+    for data in clips:
+        with pytest.raises(MediaError) as err:
+            estimate_video(data, QWEN2, limits=MediaLimits(max_frame_pixels=64 * 48 - 1))
+        assert err.value.code == "too_many_pixels" and "header declares 64x48" in err.value.reason

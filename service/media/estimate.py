@@ -15,7 +15,7 @@ How: an image's size comes from Pillow's lazy open (header only; for JPEG also t
 of `service.media.images`), then `smart_resize`. A video's comes from the packet index (`VideoReader` with
 `index_only=True`: packet headers are demuxed, nothing is decoded, at most `limits.max_stream_frames` of
 them, and a header declaring more is refused before demuxing), the container's display matrix
-(`service.media.orientation`) and the family's sampling rule (`plan_video`, the very function the full
+(`service.media.headers`) and the family's sampling rule (`plan_video`, the very function the full
 preprocessing runs).
 
 Exactness: for well-formed files the estimate's `grid_thw` (hence `tokens`) equals the one

@@ -20,6 +20,8 @@ How frames are found:
   later keyframe the decoder is flushed and jumps there, and it stops after the last wanted frame.
   Frames nobody wants and nothing references (B-frames) are skipped by the decoder
   (`skip_frame=NONREF`), and only wanted frames are converted to RGB.
+* Frame sizes the header declares (`service.media.headers`) are checked against
+  `limits.max_frame_pixels` before FFmpeg opens the file, since its probing may decode a frame.
 * The decoder counts its work (`stats`): packets sent, pixels of the frames it returned, pixels
   converted to RGB. It refuses with `too_much_work` before sending a packet past
   `limits.max_decoded_frames` or `limits.max_decoded_pixels`, and with `too_many_pixels` as soon as
@@ -61,15 +63,16 @@ from service.media.errors import (
     UNSUPPORTED_FORMAT,
     MediaError,
 )
-from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, DEFAULT_MAX_FRAME_PIXELS, MediaLimits
-from service.media.orientation import (
+from service.media.headers import (
     UPRIGHT,
     Orientation,
     container_display_matrix,
+    declared_frame_sizes,
     orientation_from_matrix,
     orientation_from_rotate_tag,
     upright_size,
 )
+from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, DEFAULT_MAX_FRAME_PIXELS, MediaLimits
 
 try:  # PyAV 18: a side-data container built here is not cached on the frame (no frame <-> container cycle)
     from av.sidedata.sidedata import SideDataContainer as _SideDataContainer
@@ -195,6 +198,14 @@ class VideoReader:
         self._rgb: VideoReformatter | None = None
         self._frame_orientation: Orientation | None = None
         raw = bytes(data)
+        # FFmpeg's probing at open time may decode a frame of every stream: refuse huge frames before it.
+        for width, height in declared_frame_sizes(raw, container_name):
+            if width * height > self.max_frame_pixels:
+                raise MediaError(
+                    reason=f"the header declares {width}x{height} = {width * height} pixel frames, above the limit "
+                    f"of {self.max_frame_pixels}",
+                    code=TOO_MANY_PIXELS,
+                )
         try:
             self._container = av.open(io.BytesIO(raw), format=SUPPORTED_CONTAINERS[container_name])
             self._setup(container_name, raw)
