@@ -71,7 +71,8 @@ def estimate_image(
     """Grid and tokens of an image from its header; MediaError where `preprocess_image_bytes` would refuse it
     before decoding (format, header size, JPEG data shorter than its header, pixel bounds, tokens)."""
     limits = limits or DEFAULT_LIMITS
-    fmt, width, height = read_header(data, limits.max_image_pixels)
+    header = read_header(data, limits.max_image_pixels)
+    width, height = header.width, header.height
     resized, grid = image_grid(height, width, cfg, min_pixels, max_pixels)
     tokens = check_tokens(grid, cfg, limits.max_tokens)
     return Estimate(
@@ -83,7 +84,7 @@ def estimate_image(
         frames=1,
         decode_frames=1,
         decode_pixels=width * height,
-        meta={"format": fmt},
+        meta={"format": header.format},
     )
 
 

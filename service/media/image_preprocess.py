@@ -181,8 +181,8 @@ def preprocess_image_bytes(
     """
     limits = limits or DEFAULT_LIMITS
     size_limit = limits.max_image_pixels if max_image_pixels is None else max_image_pixels
-    _, width, height = read_header(data, size_limit)
-    _, grid = image_grid(height, width, cfg, min_pixels, max_pixels)
+    header = read_header(data, size_limit)
+    _, grid = image_grid(header.height, header.width, cfg, min_pixels, max_pixels)
     check_tokens(grid, cfg, limits.max_tokens)
-    image = decode_image(data, size_limit)
+    image = decode_image(data, size_limit, header=header)
     return preprocess_image(image, cfg, min_pixels, max_pixels, max_tokens=limits.max_tokens)

@@ -52,7 +52,16 @@ from service.media.limits import DEFAULT_MAX_IMAGE_PIXELS
 
 SUPPORTED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
-__all__ = ["DEFAULT_MAX_IMAGE_PIXELS", "SUPPORTED_FORMATS", "decode_image", "has_alpha", "sniff_format", "to_rgb"]
+__all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "SUPPORTED_FORMATS",
+    "ImageHeader",
+    "decode_image",
+    "has_alpha",
+    "read_header",
+    "sniff_format",
+    "to_rgb",
+]
 
 _SIGNATURES: tuple[tuple[bytes, str], ...] = (
     (b"\xff\xd8\xff", "JPEG"),
@@ -151,18 +160,21 @@ def _open(data: bytes | bytearray | memoryview, fmt: str) -> Image.Image:
         ) from exc
 
 
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image's header says, read without decoding a pixel (`read_header`)."""
+
+    format: str
+    width: int
+    height: int
+    jpeg: _JpegLayout | None = field(default=None, repr=False, compare=False)  # segments of a JPEG
+
+
 def read_header(
     data: bytes | bytearray | memoryview, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-) -> tuple[str, int, int]:
-    """(format, width, height) from the header alone, with the checks `decode_image` makes before decoding
+) -> ImageHeader:
+    """Format and size from the header alone, with every check `decode_image` makes before decoding
     (empty, format, header size, and for JPEG the data-versus-header bound); nothing is decoded."""
-    fmt, width, height, _ = _read_header(data, max_image_pixels)
-    return fmt, width, height
-
-
-def _read_header(
-    data: bytes | bytearray | memoryview, max_image_pixels: int
-) -> tuple[str, int, int, _JpegLayout | None]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         # A str would be a path or base64: both are the caller's job, never ours.
         raise TypeError(f"decode_image takes the encoded bytes, got {type(data).__name__}")
@@ -186,23 +198,28 @@ def _read_header(
         layout = _jpeg_layout(bytes(data))
         if layout is not None:
             _check_jpeg_scans(layout)
-    return fmt, width, height, layout
+    return ImageHeader(fmt, width, height, layout)
 
 
 def decode_image(
-    data: bytes | bytearray | memoryview, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    data: bytes | bytearray | memoryview,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    *,
+    header: ImageHeader | None = None,
 ) -> Image.Image:
     """Decode an encoded image (JPEG, PNG, WebP, GIF first frame, BMP, TIFF first page) to RGB.
 
     Raises MediaError with code "empty", "unsupported_format", "corrupt_image" (also truncated, or
     data ending before the image its header declares) or "too_large" (header size above
-    `max_image_pixels`, or a Pillow decompression bomb).
+    `max_image_pixels`, or a Pillow decompression bomb). `header`: what `read_header` returned for
+    these bytes and this limit, to skip reading it again.
     """
-    fmt, _, _, layout = _read_header(data, max_image_pixels)
+    header = header or read_header(data, max_image_pixels)
+    fmt = header.format
     limit = _effective_limit(max_image_pixels)
     source: bytes | bytearray | memoryview = data
-    if fmt == "JPEG" and layout is not None:
-        source = _jpeg_strict(bytes(data), layout)
+    if header.jpeg is not None:
+        source = _jpeg_strict(bytes(data), header.jpeg)
     elif fmt == "PNG":
         source = _png_strict(bytes(data))
     image = _open(source, fmt)
