@@ -11,6 +11,8 @@ from typing import Any
 import av
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from models.config import ProcessorConfig
@@ -279,3 +281,37 @@ def test_declared_frame_size_refused_before_ffmpeg_opens(monkeypatch: pytest.Mon
         with pytest.raises(MediaError) as err:
             estimate_video(data, QWEN2, limits=MediaLimits(max_frame_pixels=64 * 48 - 1))
         assert err.value.code == "too_many_pixels" and "header declares 64x48" in err.value.reason
+
+
+@pytest.fixture(scope="module")
+def fuzz_seeds() -> list[tuple[str, bytes]]:
+    rng = np.random.default_rng(5)
+    image = Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    seeds = []
+    for fmt, kwargs in (("JPEG", {}), ("JPEG", {"progressive": True}), ("PNG", {})):
+        buf = io.BytesIO()
+        image.save(buf, fmt, **kwargs)
+        seeds.append(("image", buf.getvalue()))
+    seeds += [("video", make_video(6, codec="libx264", rotation=90)),
+              ("video", make_video(6, codec="libx264", container="matroska", rotation=90)),
+              ("video", make_video(6, codec="mjpeg", container="avi"))]
+    return seeds
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.integers(0, 5), cuts=st.lists(st.tuples(st.floats(0, 0.3), st.integers(0, 255)), max_size=6),
+       keep=st.floats(0.05, 1.0))
+def test_damaged_headers_are_media_errors_only(fuzz_seeds: list[tuple[str, bytes]], which: int, cuts,
+                                               keep: float) -> None:
+    """Flipped bytes (mostly in the headers the estimate walks) and cut files: a result or a MediaError."""
+    kind, seed = fuzz_seeds[which]
+    data = bytearray(seed)
+    for where, value in cuts:
+        data[min(int(where * len(data)), len(data) - 1)] = value
+    blob = bytes(data[: max(1, int(keep * len(data)))])
+    calls = ((estimate_image, preprocess_image_bytes) if kind == "image" else (estimate_video, preprocess_video_bytes))
+    for call in calls:
+        try:
+            call(blob, QWEN2)
+        except MediaError:
+            pass

@@ -346,7 +346,8 @@ def _read_dht(body: bytes, shortest: dict[tuple[int, int], int]) -> bool:
             return False
         cls, table = body[at] >> 4, body[at] & 15
         counts = body[at + 1 : at + 17]
-        shortest[(cls, table)] = next((i + 1 for i, c in enumerate(counts) if c), 16)
+        # An empty table codes nothing; count it as 1 bit so that the bound never overestimates.
+        shortest[(cls, table)] = next((i + 1 for i, c in enumerate(counts) if c), 1)
         at += 17 + sum(counts)
     return at == len(body)
 
