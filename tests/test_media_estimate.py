@@ -315,3 +315,20 @@ def test_damaged_headers_are_media_errors_only(fuzz_seeds: list[tuple[str, bytes
             call(blob, QWEN2)
         except MediaError:
             pass
+
+
+@pytest.mark.parametrize("container", ["mp4", "mov", "matroska"])
+def test_header_matrix_equals_the_frames(container: str) -> None:
+    """The matrix read from the header is, int for int, the one FFmpeg attaches to decoded frames."""
+    from service.media.headers import container_display_matrix
+    from service.media.video import _display_matrix, sniff_container
+
+    for rotation, hflip in [(90, False), (-90, False), (180, False), (0, True), (90, True), (45, False), (None, False)]:
+        data = make_video(2, codec="libx264", container=container, rotation=rotation, hflip=hflip)
+        with av.open(io.BytesIO(data)) as c:
+            stream = c.streams.video[0]
+            frame = next(c.decode(stream))
+            expected = _display_matrix(frame)
+            track_id = stream.id
+        got = container_display_matrix(data, sniff_container(data), track_id=track_id, video_index=0)
+        assert got == expected, (container, rotation, hflip)
