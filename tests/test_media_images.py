@@ -293,3 +293,141 @@ def test_media_error_shape() -> None:
     assert err.to_dict() == {"code": "corrupt_image", "reason": "the image is broken"}
     again = pickle.loads(pickle.dumps(err))
     assert (again.reason, again.code) == (err.reason, err.code)
+
+
+# ---------------------------------------------------------------- data shorter than the header says
+
+
+def patch_jpeg_size(data: bytes, width: int, height: int) -> bytes:
+    """The same JPEG with its frame header (SOF) claiming another size: the entropy data is unchanged."""
+    out = bytearray(data)
+    pos = 2
+    while True:
+        marker, length = out[pos + 1], struct.unpack_from(">H", out, pos + 2)[0]
+        if marker in (0xC0, 0xC1, 0xC2):
+            struct.pack_into(">HH", out, pos + 5, height, width)
+            return bytes(out)
+        pos += 2 + length
+
+
+def patch_png_size(data: bytes, width: int, height: int) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(">II", out, 16, width, height)
+    struct.pack_into(">I", out, 29, zlib.crc32(bytes(out[12:29])))
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def photo() -> Image.Image:
+    rng = np.random.default_rng(7)
+    yy, xx = np.mgrid[0:480, 0:640]
+    base = np.stack([yy // 2, xx // 3, (yy + xx) // 5], -1) + rng.integers(0, 40, (480, 640, 3))
+    return Image.fromarray(np.clip(base, 0, 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
+def test_jpeg_header_claiming_more_than_its_data_is_corrupt(photo: Image.Image, progressive: bool) -> None:
+    data = encode(photo, "JPEG", quality=90, progressive=progressive)
+    # The attack: 8000x8000 declared over 640x480 data (Pillow alone returns grey rows).
+    lying = patch_jpeg_size(data, 8000, 8000)
+    with Image.open(io.BytesIO(lying)) as plain:
+        plain.load()
+        assert np.asarray(plain)[-1, :3].tolist() == [[128, 128, 128]] * 3
+    err = assert_media_error(lying, "corrupt_image", "8000x8000", "ends before")
+    assert "blocks need" in err.reason
+    # Small lies too: 32 more rows (sequential: exact; progressive: the DC refinement scans still fall short).
+    assert_media_error(patch_jpeg_size(data, 640, 512), "corrupt_image", "JPEG")
+    assert_media_error(patch_jpeg_size(data, 672, 480), "corrupt_image", "JPEG")
+    # And the estimate refuses it from the header, before decoding.
+    with pytest.raises(MediaError) as info:
+        from service.media.estimate import estimate_image
+
+        estimate_image(lying, ProcessorConfig())
+    assert info.value.code == "corrupt_image"
+
+
+def test_valid_jpegs_still_decode_bit_identically(photo: Image.Image) -> None:
+    """The strict decoding changes nothing for complete files: every variant equals Pillow's plain decode."""
+    rng = np.random.default_rng(11)
+    variants: list[tuple[Image.Image, dict]] = [
+        (photo, {"quality": 95}),
+        (photo, {"quality": 30, "subsampling": 0}),
+        (photo, {"quality": 75, "subsampling": 1, "optimize": True}),
+        (photo, {"quality": 85, "progressive": True}),
+        (photo, {"quality": 85, "progressive": True, "optimize": True}),
+        (photo.convert("L"), {"quality": 80}),
+        (photo.convert("CMYK"), {"quality": 80}),
+        (photo, {"quality": 90, "restart_marker_blocks": 3}),
+        (photo, {"quality": 90, "restart_marker_rows": 1, "progressive": True}),
+        (photo.crop((0, 0, 13, 7)), {"quality": 90}),
+        (Image.new("RGB", (64, 48), (128, 128, 128)), {"quality": 90}),  # flat grey: the padding colour itself
+    ]
+    for size in [(1, 1), (9, 17), (250, 3), (33, 301)]:
+        pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+        variants.append((Image.fromarray(pixels), {"quality": int(rng.integers(5, 100))}))
+    exif = Image.Exif()
+    exif[0x010F] = "camera"
+    variants.append((photo, {"quality": 90, "exif": exif.tobytes()}))
+    for image, kwargs in variants:
+        data = encode(image, "JPEG", **kwargs)
+        for blob in (data, data + b"trailing garbage after the end-of-image marker" * 10):
+            with Image.open(io.BytesIO(blob)) as plain:
+                expected = np.asarray(to_rgb(plain.convert(plain.mode)))
+            got = np.asarray(decode_image(blob))
+            np.testing.assert_array_equal(got, expected, err_msg=str(kwargs))
+
+
+def test_png_header_claiming_more_rows_than_its_data_is_corrupt(photo: Image.Image) -> None:
+    for interlace in (False, True):
+        data = encode(photo, "PNG", optimize=False) if not interlace else _interlaced_png(photo)
+        lying = patch_png_size(data, 640, 500)
+        if not interlace:
+            with Image.open(io.BytesIO(lying)) as plain:  # Pillow alone: black rows, no error
+                plain.load()
+        assert_media_error(lying, "corrupt_image", "PNG", "truncated")
+        assert_media_error(patch_png_size(data, 8000, 8000), "corrupt_image", "PNG")
+        np.testing.assert_array_equal(np.asarray(decode_image(data)), np.asarray(photo))
+    # Every PNG flavour still decodes: palette, grey, 16-bit, alpha, several IDAT chunks, text after the data.
+    for mode in ("P", "L", "I;16", "RGBA", "LA", "1"):
+        if mode == "I;16":
+            image = Image.fromarray(np.asarray(photo)[..., 0].astype(np.uint16) * 257)
+        else:
+            image = photo.convert(mode)
+        data = encode(image, "PNG")
+        with Image.open(io.BytesIO(data)) as plain:
+            expected = np.asarray(to_rgb(plain))
+        np.testing.assert_array_equal(np.asarray(decode_image(data)), expected, err_msg=mode)
+    split = _split_idat(encode(photo, "PNG"), 1000)
+    np.testing.assert_array_equal(np.asarray(decode_image(split)), np.asarray(photo))
+
+
+def _interlaced_png(image: Image.Image) -> bytes:
+    """An Adam7 PNG written by hand (Pillow does not write interlaced PNGs)."""
+    rgb = np.asarray(image.convert("RGB"))
+    rows = []
+    passes = ((0, 0, 8, 8), (0, 4, 8, 8), (4, 0, 8, 4), (0, 2, 4, 4), (2, 0, 4, 2), (0, 1, 2, 2), (1, 0, 2, 1))
+    for y0, x0, dy, dx in passes:
+        sub = rgb[y0::dy, x0::dx]
+        if sub.size:
+            rows += [b"\x00" + row.tobytes() for row in sub]
+    ihdr = struct.pack(">IIBBBBB", rgb.shape[1], rgb.shape[0], 8, 2, 0, 0, 1)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b"".join(rows)))
+            + png_chunk(b"IEND", b""))
+
+
+def _split_idat(data: bytes, size: int) -> bytes:
+    """The same PNG with its image data in chunks of `size` bytes and a text chunk after them."""
+    pos, head, payload, tail = 8, b"", b"", b""
+    while pos < len(data):
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        chunk = data[pos : pos + 12 + length]
+        if kind == b"IDAT":
+            payload += data[pos + 8 : pos + 8 + length]
+        elif payload:
+            tail += chunk
+        else:
+            head += chunk
+        pos += 12 + length
+    idats = b"".join(png_chunk(b"IDAT", payload[i : i + size]) for i in range(0, len(payload), size))
+    text = png_chunk(b"tEXt", b"Comment\x00after the image data")
+    return data[:8] + head + idats + text + tail

@@ -614,3 +614,32 @@ def test_bad_bytes_are_media_errors() -> None:
         with pytest.raises(MediaError) as err:
             preprocess_video_bytes(data, QWEN2)
         assert err.value.code == code
+
+
+@pytest.mark.parametrize("cfg", [QWEN2, QWEN3], ids=["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize(
+    ("options", "adjusted_by"),
+    [
+        ({"fps": 0.5}, "min_frames"),  # 1.15 frames for 2.3 s, raised to min_frames = 4
+        ({"fps": 2.0}, None),  # 4.6 -> 4: rounding only
+        ({"fps": 4.0, "max_frames": 6}, "max_frames"),  # 9.2 frames, lowered to 6
+        ({"fps": 30.0}, "frame_count"),  # 69 frames wanted, the clip has 23
+        ({"nframes": 6}, None),  # no fps asked
+    ],
+)
+def test_fps_adjustment_is_reported(clip: bytes, cfg: ProcessorConfig, options: dict[str, Any],
+                                    adjusted_by: str | None) -> None:
+    meta = preprocess_video_bytes(clip, cfg, **options).meta
+    assert meta["requested_fps"] == options.get("fps")
+    assert meta["fps_adjusted"] is (adjusted_by is not None)
+    assert meta["fps_adjusted_by"] == adjusted_by
+    if adjusted_by == "min_frames":
+        assert meta["fps"] > options["fps"]  # the effective rate the response reports is higher
+    elif adjusted_by is not None:
+        assert meta["fps"] < options["fps"]
+    assert meta["second_per_grid_ts"] == pytest.approx(2 / meta["fps"])
+
+
+def test_config_fps_is_the_requested_fps(clip: bytes) -> None:
+    meta = preprocess_video_bytes(clip, QWEN2).meta
+    assert meta["requested_fps"] == QWEN2.video.fps and meta["fps_adjusted"] is False

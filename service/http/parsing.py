@@ -29,6 +29,8 @@ from service.settings import ServeSettings
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _WHITESPACE = str.maketrans("", "", " \t\r\n")
+_PATH_START = re.compile(r"^(?:/|~[/\\]|\.{1,2}[/\\]|[A-Za-z]:[/\\])")
+_NOT_BASE64 = re.compile(r"[^A-Za-z0-9+/=]")
 
 
 @dataclass
@@ -91,10 +93,21 @@ def b64decode(value: str, index: int) -> bytes:
     try:
         return pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        hint = ""
-        if value[:1] in ("/", "~", ".") or value[1:3] in (":\\", ":/"):
-            hint = " (it looks like a file path: the server never reads local files, send the bytes)"
-        raise item_error(index, "not valid base64 nor a data URL" + hint, "invalid_base64") from None
+        hint = " (it looks like a file path: the server never reads local files, send the bytes)"
+        raise item_error(index, "not valid base64 nor a data URL" + (hint if looks_like_path(value) else ""),
+                         "invalid_base64") from None
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether a value that failed to decode as base64 was meant as a local file path.
+
+    A path starts like one ('/', '~/', './', '../', 'C:\\' or 'C:/'), is one short line, and holds a character
+    base64 never does (a dot before an extension, '-', '_', '~', a space, a backslash). Base64 can start with '/'
+    too: every JPEG's starts with '/9j/' (its FF D8 FF magic), so a broken JPEG upload is not taken for a path.
+    """
+    if len(value) > 1024 or "\n" in value or "\r" in value or value.startswith("/9j/"):
+        return False
+    return bool(_PATH_START.match(value)) and bool(_NOT_BASE64.search(value))
 
 
 def parse_json_request(body: bytes, settings: ServeSettings) -> Parsed:

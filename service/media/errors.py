@@ -1,19 +1,59 @@
-"""The one exception media decoding and preprocessing raise for bad input.
+"""The one exception media decoding and preprocessing raise for bad input, and its codes.
 
 Images and videos share it so the API layer can map every client-side media problem to one
-4xx response carrying a stable machine code and a human readable reason.
+4xx response carrying a stable machine code and a human readable reason. `HTTP_STATUS` says which
+status each code should map to: 413 when the item is well-formed but asks for more than this
+server's limits allow (size, frames, decoding work, tokens), 422 when it is invalid or damaged.
 """
 
 from __future__ import annotations
 
-# Codes used by the image path; the video path adds its own (e.g. "corrupt_video").
+# -- invalid or damaged input (422) ---------------------------------------------------------------
 EMPTY = "empty"
 UNSUPPORTED_FORMAT = "unsupported_format"
 CORRUPT_IMAGE = "corrupt_image"
-TOO_LARGE = "too_large"
 TOO_SMALL = "too_small"
 ASPECT_RATIO = "aspect_ratio"
 INVALID_PIXEL_BOUNDS = "invalid_pixel_bounds"
+CORRUPT_VIDEO = "corrupt_video"
+TRUNCATED_VIDEO = "truncated_video"
+NO_VIDEO_STREAM = "no_video_stream"
+UNSUPPORTED_CODEC = "unsupported_codec"
+TOO_FEW_FRAMES = "too_few_frames"
+INVALID_OPTION = "invalid_option"
+
+# -- above a limit of this server (413) -----------------------------------------------------------
+TOO_LARGE = "too_large"  # image header above max_image_pixels, or a decompression bomb
+TOO_MANY_PIXELS = "too_many_pixels"  # a video frame above max_frame_pixels
+TOO_MANY_FRAMES = "too_many_frames"  # the video stream holds more frames than max_stream_frames
+TOO_MUCH_WORK = "too_much_work"  # decoding needs more frames or pixels than max_decoded_frames/pixels
+TOO_MANY_ITEM_TOKENS = "too_many_item_tokens"  # the item's grid has more merged tokens than max_tokens
+
+HTTP_STATUS: dict[str, int] = {
+    **dict.fromkeys(
+        (
+            EMPTY,
+            UNSUPPORTED_FORMAT,
+            CORRUPT_IMAGE,
+            TOO_SMALL,
+            ASPECT_RATIO,
+            INVALID_PIXEL_BOUNDS,
+            CORRUPT_VIDEO,
+            TRUNCATED_VIDEO,
+            NO_VIDEO_STREAM,
+            UNSUPPORTED_CODEC,
+            TOO_FEW_FRAMES,
+            INVALID_OPTION,
+        ),
+        422,
+    ),
+    **dict.fromkeys((TOO_LARGE, TOO_MANY_PIXELS, TOO_MANY_FRAMES, TOO_MUCH_WORK, TOO_MANY_ITEM_TOKENS), 413),
+}
+
+
+def http_status(code: str) -> int:
+    """The HTTP status a media error code maps to (422 for codes this module does not know)."""
+    return HTTP_STATUS.get(code, 422)
 
 
 class MediaError(ValueError):
@@ -29,6 +69,11 @@ class MediaError(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.code = code
+
+    @property
+    def status(self) -> int:
+        """The HTTP status this error should be answered with (see `HTTP_STATUS`)."""
+        return http_status(self.code)
 
     def __str__(self) -> str:
         return f"{self.reason} [{self.code}]"

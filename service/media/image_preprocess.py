@@ -5,6 +5,12 @@ checkpoints). The reference converts to RGB, resizes the *uint8* image with PIL 
 `smart_resize` size, then rescales/normalises in float and patchifies. Resizing happens on uint8, so
 we can stop before the float work and ship the resized uint8 patches: `ProcessorConfig.normalize`
 (host) or the device applies rescale + mean/std afterwards with the same result.
+
+Contract (stable; safe in a worker process): `preprocess_image_bytes(data, cfg, min_pixels=None,
+max_pixels=None, *, limits=None) -> VisualInput`, every failure a `MediaError` with a code; `limits`
+(`MediaLimits`) bounds the header's size (`max_image_pixels`) and the grid's tokens (`max_tokens`),
+both checked before any pixel is decoded. `service.media.estimate.estimate_image` gives the same grid
+from the header alone.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import numpy as np
 from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
-from service.media.errors import ASPECT_RATIO, INVALID_PIXEL_BOUNDS, TOO_SMALL, MediaError
-from service.media.images import DEFAULT_MAX_IMAGE_PIXELS, decode_image, has_alpha, to_rgb
+from service.media.errors import ASPECT_RATIO, INVALID_PIXEL_BOUNDS, TOO_MANY_ITEM_TOKENS, TOO_SMALL, MediaError
+from service.media.images import decode_image, has_alpha, read_header, to_rgb
+from service.media.limits import DEFAULT_LIMITS, MediaLimits
 
 MAX_ASPECT_RATIO = 200
 
@@ -92,6 +99,27 @@ def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patc
     return out.reshape(grid_h * grid_w, 3 * t * p * p)
 
 
+def image_grid(
+    height: int, width: int, cfg: ProcessorConfig, min_pixels: int | None = None, max_pixels: int | None = None
+) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """((resized h, w), grid_thw) of a height x width image under the config's bounds (overridable)."""
+    lo, hi = _pixel_bounds(cfg, min_pixels, max_pixels)
+    new_h, new_w = smart_resize(height, width, cfg.factor, lo, hi)
+    return (new_h, new_w), (1, new_h // cfg.patch_size, new_w // cfg.patch_size)
+
+
+def check_tokens(grid: tuple[int, int, int], cfg: ProcessorConfig, max_tokens: int) -> int:
+    """Merged tokens of `grid`; MediaError "too_many_item_tokens" above `max_tokens`."""
+    tokens = grid[0] * grid[1] * grid[2] // (cfg.merge_size * cfg.merge_size)
+    if tokens > max_tokens:
+        raise MediaError(
+            f"the image would be {tokens} tokens (grid {grid[1]}x{grid[2]}), above the limit of {max_tokens} "
+            "per item: ask for fewer pixels (max_pixels)",
+            TOO_MANY_ITEM_TOKENS,
+        )
+    return tokens
+
+
 def _pixel_bounds(cfg: ProcessorConfig, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
     lo = cfg.min_pixels if min_pixels is None else int(min_pixels)
     hi = cfg.max_pixels if max_pixels is None else int(max_pixels)
@@ -109,18 +137,21 @@ def preprocess_image(
     cfg: ProcessorConfig,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    max_tokens: int | None = None,
 ) -> VisualInput:
     """One image -> VisualInput(pixels uint8 [gh*gw, C*T*P*P], grid_thw (1, gh, gw)).
 
-    `min_pixels`/`max_pixels` override the config's bounds for this item only.
+    `min_pixels`/`max_pixels` override the config's bounds for this item only; a grid of more than
+    `max_tokens` merged tokens is refused before resizing.
     """
     if cfg.in_channels != 3:
         raise ValueError(f"images are RGB, the config wants {cfg.in_channels} channels")
-    lo, hi = _pixel_bounds(cfg, min_pixels, max_pixels)
+    width, height = image.size
+    (new_h, new_w), grid = image_grid(height, width, cfg, min_pixels, max_pixels)
+    if max_tokens is not None:
+        check_tokens(grid, cfg, max_tokens)
     if image.mode != "RGB" or has_alpha(image):
         image = to_rgb(image)
-    width, height = image.size
-    new_h, new_w = smart_resize(height, width, cfg.factor, lo, hi)
     if (new_w, new_h) != (width, height):
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.
@@ -129,7 +160,7 @@ def preprocess_image(
     return VisualInput(
         modality="image",
         pixels=pixels,
-        grid_thw=(1, new_h // cfg.patch_size, new_w // cfg.patch_size),
+        grid_thw=grid,
         meta={"orig_size": (height, width), "resized": (new_h, new_w)},
     )
 
@@ -139,7 +170,19 @@ def preprocess_image_bytes(
     cfg: ProcessorConfig,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    *,
+    limits: MediaLimits | None = None,
+    max_image_pixels: int | None = None,
 ) -> VisualInput:
-    """Decode encoded image bytes and preprocess them; every bad input raises MediaError."""
-    return preprocess_image(decode_image(data, max_image_pixels), cfg, min_pixels, max_pixels)
+    """Decode encoded image bytes and preprocess them; every bad or over-limit input raises MediaError.
+
+    limits: per-item bounds (defaults if None); max_image_pixels, if given, overrides its image size limit.
+    The header's size and the grid's tokens are checked before any pixel is decoded.
+    """
+    limits = limits or DEFAULT_LIMITS
+    size_limit = limits.max_image_pixels if max_image_pixels is None else max_image_pixels
+    header = read_header(data, size_limit)
+    _, grid = image_grid(header.height, header.width, cfg, min_pixels, max_pixels)
+    check_tokens(grid, cfg, limits.max_tokens)
+    image = decode_image(data, size_limit, header=header)
+    return preprocess_image(image, cfg, min_pixels, max_pixels, max_tokens=limits.max_tokens)

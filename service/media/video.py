@@ -6,9 +6,12 @@ other files or URLs (HLS, concat, ...) are never reached.
 
 How frames are found:
 
-* One cheap demux pass (no decoding) indexes every packet of the video stream: presentation
+* One cheap demux pass (no decoding) indexes the packets of the video stream: presentation
   timestamps (pts * time_base), keyframes, decode order. That gives the exact frame count and each
   frame's time, even for variable frame rate and for containers without a frame count (WebM/MKV).
+  The pass is bounded: a header declaring more than `limits.max_stream_frames` frames is refused
+  before it starts, and it stops with `too_many_frames` once the stream holds more packets.
+  `VideoReader(..., index_only=True)` keeps only these facts (what the estimate reads).
 * A sampler asks for times (or indices, which map to times on the stream's own timeline). The frame
   shown at a time is the last frame whose timestamp is <= that time (a one-tick tolerance absorbs
   time-base rounding), so a constant-rate stream gives exactly frame `round(t * fps)` and a
@@ -17,8 +20,20 @@ How frames are found:
   later keyframe the decoder is flushed and jumps there, and it stops after the last wanted frame.
   Frames nobody wants and nothing references (B-frames) are skipped by the decoder
   (`skip_frame=NONREF`), and only wanted frames are converted to RGB.
+* Frame sizes the header declares (`service.media.headers`) are checked against
+  `limits.max_frame_pixels` before FFmpeg opens the file, since its probing may decode a frame.
+* The decoder counts its work (`stats`): packets sent, pixels of the frames it returned, pixels
+  converted to RGB. It refuses with `too_much_work` before sending a packet past
+  `limits.max_decoded_frames` or `limits.max_decoded_pixels`, and with `too_many_pixels` as soon as
+  a frame (wanted or not) is larger than `limits.max_frame_pixels`, whatever the header said.
 * Rotation from the display matrix (or the legacy `rotate` tag) is applied, so frames come out
-  upright; flips in the matrix are honoured too.
+  upright; flips in the matrix are honoured too. The matrix is read once per reader, from the first
+  frame converted, into nine plain ints (see `_display_matrix`).
+
+Resources: FFmpeg decoder threads are `threads` per reader (default 1: parallelism comes from decoding
+several items at once), and RGB conversion uses one swscale context per reader with the same thread
+count. Nothing keeps a frame alive after it is converted, so frames, their buffers and their threads
+are freed by reference counting as soon as they are dropped, never left for the garbage collector.
 """
 
 from __future__ import annotations
@@ -26,24 +41,60 @@ from __future__ import annotations
 import bisect
 import io
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import Any
 
 import av
 import av.error
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
-from service.media.errors import EMPTY, UNSUPPORTED_FORMAT, MediaError
+from service.media.errors import (
+    CORRUPT_VIDEO,
+    EMPTY,
+    NO_VIDEO_STREAM,
+    TOO_FEW_FRAMES,
+    TOO_MANY_FRAMES,
+    TOO_MANY_PIXELS,
+    TOO_MUCH_WORK,
+    TRUNCATED_VIDEO,
+    UNSUPPORTED_CODEC,
+    UNSUPPORTED_FORMAT,
+    MediaError,
+)
+from service.media.headers import (
+    UPRIGHT,
+    Orientation,
+    container_display_matrix,
+    declared_frame_sizes,
+    orientation_from_matrix,
+    orientation_from_rotate_tag,
+    upright_size,
+)
+from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, DEFAULT_MAX_FRAME_PIXELS, MediaLimits
 
-CORRUPT_VIDEO = "corrupt_video"
-TRUNCATED_VIDEO = "truncated_video"
-NO_VIDEO_STREAM = "no_video_stream"
-UNSUPPORTED_CODEC = "unsupported_codec"
-TOO_MANY_PIXELS = "too_many_pixels"
-TOO_FEW_FRAMES = "too_few_frames"
+try:  # PyAV 18: a side-data container built here is not cached on the frame (no frame <-> container cycle)
+    from av.sidedata.sidedata import SideDataContainer as _SideDataContainer
+except ImportError:  # pragma: no cover - depends on the installed PyAV
+    _SideDataContainer = None
 
-# 4096 x 4096 per frame: covers 4K UHD and DCI 4K, refuses 8K (one 8K RGB frame is ~100 MB).
-DEFAULT_MAX_FRAME_PIXELS = 4096 * 4096
+__all__ = [
+    "CORRUPT_VIDEO",
+    "DEFAULT_MAX_FRAME_PIXELS",
+    "NO_VIDEO_STREAM",
+    "SUPPORTED_CONTAINERS",
+    "TOO_FEW_FRAMES",
+    "TOO_MANY_PIXELS",
+    "TRUNCATED_VIDEO",
+    "UNSUPPORTED_CODEC",
+    "DecodedVideo",
+    "VideoInfo",
+    "VideoReader",
+    "decode_video",
+    "probe_video",
+    "sniff_container",
+]
 
 # Sniffed container -> FFmpeg demuxer short name.
 SUPPORTED_CONTAINERS: dict[str, str] = {"mp4": "mov", "matroska": "matroska", "avi": "avi"}
@@ -51,6 +102,7 @@ _ISO_BMFF_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot"
 
 # Cap of the look-ahead when matching a time to a frame, as a fraction of a nominal frame interval.
 _TIME_TOLERANCE = 0.25
+_MAX_THREADS = 64
 
 FrameSink = Callable[[int, np.ndarray], None]
 
@@ -79,6 +131,12 @@ class VideoInfo:
     num_frames: int  # presentable frames (exact: counted from the packet index)
     duration: float  # seconds from the first frame's timestamp to the end of the last frame
     start_time: float  # first frame's timestamp in seconds; reported times are relative to it
+    orientation: Orientation = UPRIGHT  # from the container header (display matrix, else `rotate` tag)
+
+    @property
+    def upright_size(self) -> tuple[int, int]:
+        """(H, W) of the frames once turned upright, as the header describes them."""
+        return upright_size(self.height, self.width, self.orientation)
 
 
 @dataclass
@@ -91,22 +149,35 @@ class DecodedVideo:
     info: VideoInfo
 
 
+def _too_much_work(reason: str) -> MediaError:
+    return MediaError(reason=reason, code=TOO_MUCH_WORK)
+
+
 class VideoReader:
     """Random access to the frames of one in-memory video. Not thread-safe; use one per request.
 
-    max_frame_pixels: frames (coded size) with more pixels are refused before any decoding.
-    threads: FFmpeg decoder threads, 0 = one per core (frame and slice threading).
+    limits: per-item bounds (`MediaLimits`); `max_frame_pixels`, if given, overrides its frame limit.
+    threads: FFmpeg decoder (and RGB conversion) threads, >= 1; 0 = FFmpeg's choice (one per core).
+    index_only: build the packet index and the header facts, keep no packet (nothing can be decoded);
+        what the estimate uses, at the cost of one demux pass over packet headers.
     """
 
     def __init__(
         self,
         data: bytes | bytearray | memoryview,
         *,
-        max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS,
-        threads: int = 0,
+        max_frame_pixels: int | None = None,
+        threads: int = DEFAULT_DECODE_THREADS,
+        limits: MediaLimits | None = None,
+        index_only: bool = False,
     ) -> None:
-        if max_frame_pixels < 1:
-            raise ValueError(f"max_frame_pixels must be >= 1, got {max_frame_pixels}")
+        limits = limits or DEFAULT_LIMITS
+        if max_frame_pixels is not None:
+            if max_frame_pixels < 1:
+                raise ValueError(f"max_frame_pixels must be >= 1, got {max_frame_pixels}")
+            limits = replace(limits, max_frame_pixels=max_frame_pixels)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= _MAX_THREADS:
+            raise ValueError(f"threads must be an integer in [0, {_MAX_THREADS}], got {threads!r}")
         if len(data) == 0:
             raise MediaError(reason="the video is empty (0 bytes)", code=EMPTY)
         container_name = sniff_container(data)
@@ -115,11 +186,29 @@ class VideoReader:
                 reason="not a supported video container: expected MP4/MOV, MKV/WebM or AVI",
                 code=UNSUPPORTED_FORMAT,
             )
-        self.max_frame_pixels = max_frame_pixels
+        self.limits = limits
+        self.max_frame_pixels = limits.max_frame_pixels
+        self.threads = threads
+        self.index_only = index_only
+        # Work counters: packets sent to the decoder, keyframe jumps, pixels of the frames it returned,
+        # pixels converted to RGB.
+        self.stats = {"packets_decoded": 0, "jumps": 0, "decoded_pixels": 0, "converted_pixels": 0}
         self._container: av.container.InputContainer | None = None
+        self._packets: list[av.Packet] = []
+        self._rgb: VideoReformatter | None = None
+        self._frame_orientation: Orientation | None = None
+        raw = bytes(data)
+        # FFmpeg's probing at open time may decode a frame of every stream: refuse huge frames before it.
+        for width, height in declared_frame_sizes(raw, container_name):
+            if width * height > self.max_frame_pixels:
+                raise MediaError(
+                    reason=f"the header declares {width}x{height} = {width * height} pixel frames, above the limit "
+                    f"of {self.max_frame_pixels}",
+                    code=TOO_MANY_PIXELS,
+                )
         try:
-            self._container = av.open(io.BytesIO(bytes(data)), format=SUPPORTED_CONTAINERS[container_name])
-            self._setup(container_name, threads)
+            self._container = av.open(io.BytesIO(raw), format=SUPPORTED_CONTAINERS[container_name])
+            self._setup(container_name, raw)
         except MediaError:
             self.close()
             raise
@@ -131,7 +220,7 @@ class VideoReader:
 
     # -- setup: stream choice, header checks, packet index ------------------------------------
 
-    def _setup(self, container_name: str, threads: int) -> None:
+    def _setup(self, container_name: str, raw: bytes) -> None:
         assert self._container is not None
         streams = [
             s
@@ -154,17 +243,23 @@ class VideoReader:
         if width <= 0 or height <= 0:
             raise MediaError(reason="the video stream has no frame size", code=CORRUPT_VIDEO)
         self._check_pixels(width, height)
-        stream.thread_type = "AUTO"
-        ctx.thread_count = threads
+        if not self.index_only:
+            ctx.thread_type = "AUTO"
+            ctx.thread_count = self.threads
         self._stream = stream
         self._ctx = ctx
         self._decoder_used = False  # flush before reuse: an earlier read may have drained it
-        # Work counters, for tests and benchmarks: packets sent to the decoder, keyframe jumps.
-        self.stats = {"packets_decoded": 0, "jumps": 0}
         self._time_base = stream.time_base or Fraction(1, 1)
+        self._check_declared_length(stream)
         self._index_packets()
         fps = self._frame_rate(stream)
         self._interval_s = 1.0 / fps  # index i <-> time i * interval on the stream's timeline
+        # The chosen stream is the first video track: cover art streams come after the tracks.
+        matrix = container_display_matrix(raw, container_name, track_id=stream.id, video_index=0)
+        if matrix is not None:
+            header_orientation = orientation_from_matrix(matrix)
+        else:
+            header_orientation = orientation_from_rotate_tag(_rotate_tag(stream))
         self.info = VideoInfo(
             container=container_name,
             codec=ctx.name,
@@ -174,6 +269,7 @@ class VideoReader:
             num_frames=len(self._frame_pts),
             duration=self._span_s,
             start_time=float(self._frame_pts[0] * self._time_base),
+            orientation=header_orientation,
         )
 
     def _check_pixels(self, width: int, height: int) -> None:
@@ -184,48 +280,84 @@ class VideoReader:
                 code=TOO_MANY_PIXELS,
             )
 
+    def _check_declared_length(self, stream: av.video.stream.VideoStream) -> None:
+        """Refuse, before demuxing anything, a stream whose header itself declares too many frames."""
+        limit = self.limits.max_stream_frames
+        declared = int(stream.frames or 0)
+        source = "frames"
+        if declared <= 0:
+            seconds = _stream_duration_s(stream)
+            rate = stream.average_rate or stream.guessed_rate
+            if seconds is not None and rate:
+                declared, source = int(seconds * float(rate)), f"{seconds:.1f} s at {float(rate):.3f} fps"
+        if declared > limit:
+            raise MediaError(
+                reason=f"the header declares {declared} frames ({source}), above the limit of {limit} "
+                "frames per video",
+                code=TOO_MANY_FRAMES,
+            )
+
     def _index_packets(self) -> None:
-        """Demux (no decoding) every packet of the stream and index frames by timestamp."""
+        """Demux (no decoding) the stream's packets, at most max_stream_frames, and index frames by time."""
         assert self._container is not None
-        packets: list[av.Packet] = []
+        limit = self.limits.max_stream_frames
+        timestamps: list[int | None] = []
+        keyframes: list[int] = []
+        shown: set[int] = set()
+        durations: dict[int, int] = {}
+        last_corrupt = False
         demux_error: str | None = None
+        demuxer = self._container.demux(self._stream)
         try:
-            for packet in self._container.demux(self._stream):
-                if packet.size > 0:  # the demuxer ends with an empty flush packet
-                    packets.append(packet)
+            for packet in demuxer:
+                if packet.size <= 0:  # the demuxer ends with an empty flush packet
+                    continue
+                if len(timestamps) >= limit:
+                    raise MediaError(
+                        reason=f"the video stream holds more than {limit} frames, the limit per video",
+                        code=TOO_MANY_FRAMES,
+                    )
+                t = packet.pts if packet.pts is not None else packet.dts
+                ts = int(t) if t is not None else None
+                if packet.is_keyframe:
+                    keyframes.append(len(timestamps))
+                # Frames the decoder drops (edit-list trimming) are decoded as references but never shown.
+                if ts is not None and not packet.is_discard:
+                    shown.add(ts)
+                if ts is not None and packet.duration and packet.duration > 0:
+                    durations[ts] = int(packet.duration)
+                last_corrupt = bool(packet.is_corrupt)
+                timestamps.append(ts)
+                if not self.index_only:
+                    self._packets.append(packet)
         except (av.error.FFmpegError, OSError, EOFError) as exc:
             demux_error = _ffmpeg_reason(exc)
-        self._packets = packets
-        timestamps = [p.pts if p.pts is not None else p.dts for p in packets]
-        self._packet_pts = [int(t) if t is not None else None for t in timestamps]
-        # Frames the decoder drops (edit-list trimming) are decoded as references but never shown.
-        shown = sorted(
-            {t for t, p in zip(self._packet_pts, packets, strict=True) if t is not None and not p.is_discard}
-        )
-        self._frame_pts = np.asarray(shown, dtype=np.int64)
-        self._span_s = self._timeline_span(shown)
+        finally:
+            demuxer.close()  # not left suspended for the collector when the limit stops the pass
+        self._packet_count = len(timestamps)
+        self._packet_pts = timestamps
+        ordered = sorted(shown)
+        self._frame_pts = np.asarray(ordered, dtype=np.int64)
+        self._span_s = self._timeline_span(ordered, durations)
         # A cut file is the likeliest cause of any problem below: say so first.
-        self._check_truncation(demux_error)
-        if not packets or not shown:
+        self._check_truncation(demux_error, last_corrupt)
+        if not timestamps or not ordered:
             raise MediaError(reason="the video stream has no frames", code=CORRUPT_VIDEO)
-        if any(t is None for t in self._packet_pts):
+        if any(t is None for t in timestamps):
             raise MediaError(reason="the video stream has packets without timestamps", code=CORRUPT_VIDEO)
-        self._packet_of_pts = {t: i for i, t in enumerate(self._packet_pts)}
-        self._keyframes = [i for i, p in enumerate(packets) if p.is_keyframe]
+        self._packet_of_pts = {t: i for i, t in enumerate(timestamps)}
+        self._keyframes = keyframes
         if not self._keyframes:
             raise MediaError(
                 reason="the video stream has no keyframe to start decoding from", code=CORRUPT_VIDEO
             )
 
-    def _timeline_span(self, shown: list[int]) -> float:
+    def _timeline_span(self, shown: list[int], durations: dict[int, int]) -> float:
         """Seconds from the first frame's timestamp to the end of the last frame (its duration, or
         the typical frame interval when the container does not say)."""
         if not shown:
             return 0.0
-        last_duration = 0
-        for packet, pts in zip(self._packets, self._packet_pts, strict=True):
-            if pts == shown[-1] and packet.duration and packet.duration > 0:
-                last_duration = int(packet.duration)
+        last_duration = durations.get(shown[-1], 0)
         if last_duration == 0 and len(shown) > 1:
             last_duration = int(np.median(np.diff(shown)))
         return float((shown[-1] - shown[0] + last_duration) * self._time_base)
@@ -245,16 +377,16 @@ class VideoReader:
             return n / self._span_s
         raise MediaError(reason="cannot tell the frame rate of the video", code=CORRUPT_VIDEO)
 
-    def _check_truncation(self, demux_error: str | None) -> None:
+    def _check_truncation(self, demux_error: str | None, last_corrupt: bool) -> None:
         """Refuse files cut short: the header promised more than the packets deliver."""
         stream = self._stream
         reasons = []
         if demux_error is not None:
             reasons.append(f"demuxing stopped with an error ({demux_error})")
-        if self._packets and self._packets[-1].is_corrupt:
+        if self._packet_count and last_corrupt:
             reasons.append("the last packet is incomplete")
-        if stream.frames and len(self._packets) < stream.frames - 1:
-            reasons.append(f"the header lists {stream.frames} frames, the file holds {len(self._packets)}")
+        if stream.frames and self._packet_count < stream.frames - 1:
+            reasons.append(f"the header lists {stream.frames} frames, the file holds {self._packet_count}")
         header_s = _stream_duration_s(stream)
         if header_s is not None and header_s - self._span_s > max(1.0, 0.05 * header_s):
             reasons.append(f"the header says {header_s:.2f} s, the frames cover {self._span_s:.2f} s")
@@ -269,6 +401,12 @@ class VideoReader:
     def frame_times(self) -> np.ndarray:
         """float64 [num_frames]: each frame's time in seconds since the first frame."""
         return (self._frame_pts - self._frame_pts[0]).astype(np.float64) * float(self._time_base)
+
+    @property
+    def orientation(self) -> Orientation:
+        """How frames are turned upright: from the first decoded frame once one was converted (FFmpeg's
+        own reading), else from the container header."""
+        return self._frame_orientation if self._frame_orientation is not None else self.info.orientation
 
     def positions_at(self, times: Sequence[float] | np.ndarray) -> np.ndarray:
         """Presentation positions of the frames shown at `times` (seconds since the first frame)."""
@@ -286,9 +424,32 @@ class VideoReader:
         i * duration / num_frames, so indices a sampler spaced evenly stay evenly spaced in time."""
         return np.asarray(indices, dtype=np.float64) * self._interval_s
 
+    def packets_needed(self, positions: Sequence[int] | np.ndarray) -> int:
+        """Packets the decoder must be sent to return the frames at `positions`: for each, from the keyframe
+        it depends on up to its own packet, overlapping runs counted once. The decoder may send a few more
+        (frames wait in the reorder queue); it never sends fewer."""
+        wanted = sorted({int(p) for p in positions})
+        if not wanted:
+            return 0
+        runs = sorted(
+            (self._start_packet(int(self._frame_pts[p])), self._packet_of_pts[int(self._frame_pts[p])])
+            for p in wanted
+        )
+        total, end = 0, -1
+        for start, stop in runs:
+            if stop <= end:
+                continue
+            total += stop - max(start, end + 1) + 1
+            end = stop
+        return total
+
     def read(self, positions: Sequence[int] | np.ndarray, sink: FrameSink) -> None:
         """Decode the frames at `positions` (presentation order) and call sink(position, rgb) once for
         each distinct position, in decode order, with an upright uint8 [H, W, 3] frame."""
+        if self.index_only:
+            raise RuntimeError("this reader was opened with index_only=True: it cannot decode")
+        if self._container is None:
+            raise RuntimeError("the reader is closed")
         wanted = sorted({int(p) for p in positions})
         if not wanted:
             return
@@ -327,9 +488,23 @@ class VideoReader:
         return self.frames_at_positions(self.positions_at(times))
 
     def close(self) -> None:
+        """Free the demuxer, the decoder (and its threads) and every packet now, not at collection time."""
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None and getattr(self, "_decoder_used", False):
+            # Let frame threads finish the frame they hold while the GIL is released (PyAV flushes without
+            # it): freeing the decoder later joins them with the GIL held, and a thread still decoding may
+            # need the GIL to log, which would deadlock.
+            try:
+                ctx.flush_buffers()
+            except (av.error.FFmpegError, RuntimeError):
+                pass
         if self._container is not None:
             self._container.close()
             self._container = None
+        self._packets = []
+        self._rgb = None
+        self._ctx = None
+        self._stream = None
 
     def __enter__(self) -> VideoReader:
         return self
@@ -348,6 +523,36 @@ class VideoReader:
         while k > 0 and self._packet_pts[self._keyframes[k]] > pts:
             k -= 1
         return self._keyframes[max(k, 0)]
+
+    def _time_of(self, pts: int) -> str:
+        return f"{float((pts - self._frame_pts[0]) * self._time_base):.3f} s"
+
+    def _send(self, packet: av.Packet | None) -> list[av.VideoFrame]:
+        """One packet (None: drain) into the decoder, within the work limits; the frames it returns."""
+        stats, limits, ctx = self.stats, self.limits, self._ctx
+        if packet is not None:
+            if stats["packets_decoded"] >= limits.max_decoded_frames:
+                raise _too_much_work(
+                    f"decoding the requested frames needs more than {limits.max_decoded_frames} frames "
+                    "decoded (the limit per video): ask for fewer frames or a shorter range, or send a video "
+                    "with more keyframes"
+                )
+            if stats["decoded_pixels"] + ctx.width * ctx.height > limits.max_decoded_pixels:
+                raise _too_much_work(
+                    f"decoding the requested frames needs more than {limits.max_decoded_pixels} pixels "
+                    "decoded (the limit per video)"
+                )
+            stats["packets_decoded"] += 1
+        frames = ctx.decode(packet)
+        for frame in frames:
+            # Every frame counts, wanted or not, at the size it really has (the header may have lied).
+            self._check_pixels(frame.width, frame.height)
+            stats["decoded_pixels"] += frame.width * frame.height
+        if stats["decoded_pixels"] > limits.max_decoded_pixels:
+            raise _too_much_work(
+                f"the video decodes to more than {limits.max_decoded_pixels} pixels (the limit per video)"
+            )
+        return frames
 
     def _decode(self, wanted_positions: list[int], sink: FrameSink) -> None:
         pts_to_pos = {int(self._frame_pts[p]): p for p in wanted_positions}
@@ -378,22 +583,20 @@ class VideoReader:
                     next_packet += 1
                     # Only wanted frames must come out; unreferenced others need no decoding at all.
                     ctx.skip_frame = "DEFAULT" if self._packet_pts[next_packet - 1] in pending else "NONREF"
-                    frames = ctx.decode(packet)
-                    self.stats["packets_decoded"] += 1
+                    frames = self._send(packet)
                 elif not drained:
-                    frames = ctx.decode(None)
+                    frames = self._send(None)
                     drained = True
                 else:
                     raise MediaError(
-                        reason=f"the frame at {float((pts - self._frame_pts[0]) * self._time_base):.3f} s "
-                        "could not be decoded",
-                        code=CORRUPT_VIDEO,
+                        reason=f"the frame at {self._time_of(pts)} could not be decoded", code=CORRUPT_VIDEO
                     )
                 for frame in frames:
                     frame_pts = frame.pts if frame.pts is not None else frame.dts
                     if frame_pts in pending:
                         pending.discard(frame_pts)
                         sink(pts_to_pos[frame_pts], self._to_rgb(frame))
+                del frames
             if not pending:
                 break
 
@@ -406,46 +609,54 @@ class VideoReader:
         return True
 
     def _to_rgb(self, frame: av.VideoFrame) -> np.ndarray:
-        self._check_pixels(frame.width, frame.height)
-        rgb = frame.to_ndarray(format="rgb24")
-        return _orient(rgb, _orientation(frame, self._stream))
+        if self._frame_orientation is None:
+            self._frame_orientation = _orientation(frame, self._stream)
+        if self._rgb is None:
+            self._rgb = VideoReformatter()  # one swscale context per reader, with a bounded thread count
+        rgb = self._rgb.reformat(frame, format="rgb24", threads=self.threads).to_ndarray()
+        self.stats["converted_pixels"] += frame.width * frame.height
+        return _orient(rgb, self._frame_orientation)
 
 
 # -- orientation ----------------------------------------------------------------------------------
 
 
-def _orientation(frame: av.VideoFrame, stream: av.video.stream.VideoStream) -> tuple[bool, bool, bool]:
-    """(transpose, flip_rows, flip_cols) that make the stored frame look as the display matrix says.
+def _display_matrix(frame: Any) -> tuple[int, ...] | None:
+    """The nine ints of a frame's display matrix, or None.
 
-    The matrix maps a stored pixel (x, y) to (a*x + c*y, b*x + d*y) on screen (libavutil/display.h
-    layout [a b u; c d v; x y w]). Axis-aligned matrices are the 8 rotations/flips; anything else is
-    snapped to the closest of them by the signs of its dominant entries.
+    `frame.side_data` caches a container on the frame that points back at the frame: a reference cycle that
+    keeps the decoded frame (its buffers, and the swscale context and threads of `frame.reformat`) alive until
+    the garbage collector runs. A container made here is referenced by nothing but this function, so the
+    frame is freed by reference counting; the matrix leaves as plain ints.
     """
-    for entry in frame.side_data:
+    try:
+        entries = _SideDataContainer(frame) if _SideDataContainer is not None else frame.side_data
+    except TypeError:  # not a PyAV frame (tests pass stand-ins)
+        entries = frame.side_data
+    for entry in entries:
         # PyAV <= 18 iterates the side data themselves; 19 made the container a mapping by type.
-        side = entry if hasattr(entry, "type") else frame.side_data[entry]
+        side = entry if hasattr(entry, "type") else entries[entry]
         if getattr(side.type, "name", "") == "DISPLAYMATRIX":
             m = np.frombuffer(bytes(side), dtype=np.int32)
             if m.size >= 5:
-                a, b, c, d = (int(v) for v in (m[0], m[1], m[3], m[4]))
-                if abs(a) + abs(d) >= abs(b) + abs(c):
-                    return False, d < 0, a < 0
-                # Transposed: stored column x becomes screen row b*x, stored row y screen column c*y.
-                return True, b < 0, c < 0
-    # Legacy tag (clockwise degrees), e.g. a Matroska ROTATE tag; only used without a matrix.
-    rotate = next((v for k, v in stream.metadata.items() if k.lower() == "rotate"), None)
-    if rotate:
-        try:
-            clockwise = int(round(float(rotate))) % 360
-        except ValueError:
-            return False, False, False
-        return {90: (True, False, True), 180: (False, True, True), 270: (True, True, False)}.get(
-            clockwise, (False, False, False)
-        )
-    return False, False, False
+                return tuple(int(v) for v in m[:9])
+    return None
 
 
-def _orient(rgb: np.ndarray, orientation: tuple[bool, bool, bool]) -> np.ndarray:
+def _orientation(frame: Any, stream: Any) -> Orientation:
+    """(transpose, flip_rows, flip_cols) that make the stored frame look as its display matrix says; without a
+    matrix, the stream's legacy `rotate` tag (clockwise degrees)."""
+    matrix = _display_matrix(frame)
+    if matrix is not None:
+        return orientation_from_matrix(matrix)
+    return orientation_from_rotate_tag(_rotate_tag(stream))
+
+
+def _rotate_tag(stream: Any) -> str | None:
+    return next((v for k, v in stream.metadata.items() if k.lower() == "rotate"), None)
+
+
+def _orient(rgb: np.ndarray, orientation: Orientation) -> np.ndarray:
     transpose, flip_rows, flip_cols = orientation
     if not (transpose or flip_rows or flip_cols):
         return rgb
@@ -484,10 +695,13 @@ def _ffmpeg_reason(exc: BaseException) -> str:
 
 
 def probe_video(
-    data: bytes | bytearray | memoryview, *, max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS
+    data: bytes | bytearray | memoryview,
+    *,
+    max_frame_pixels: int | None = None,
+    limits: MediaLimits | None = None,
 ) -> VideoInfo:
     """Header and packet-index facts about a video; decodes nothing."""
-    with VideoReader(data, max_frame_pixels=max_frame_pixels) as reader:
+    with VideoReader(data, max_frame_pixels=max_frame_pixels, limits=limits, index_only=True) as reader:
         return reader.info
 
 
@@ -496,8 +710,9 @@ def decode_video(
     *,
     times: Sequence[float] | np.ndarray | None = None,
     indices: Sequence[int] | np.ndarray | None = None,
-    max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS,
-    threads: int = 0,
+    max_frame_pixels: int | None = None,
+    threads: int = DEFAULT_DECODE_THREADS,
+    limits: MediaLimits | None = None,
 ) -> DecodedVideo:
     """Decode the frames shown at `times` (seconds since the first frame) or at frame `indices`
     (index i = time i * duration / num_frames); with neither, every frame.
@@ -506,7 +721,7 @@ def decode_video(
     """
     if times is not None and indices is not None:
         raise ValueError("pass times or indices, not both")
-    with VideoReader(data, max_frame_pixels=max_frame_pixels, threads=threads) as reader:
+    with VideoReader(data, max_frame_pixels=max_frame_pixels, threads=threads, limits=limits) as reader:
         if times is not None:
             positions = reader.positions_at(times)
         elif indices is not None:

@@ -12,6 +12,17 @@ Frames are resized one by one with PIL bicubic on uint8, like the image path (th
 resize torch tensors with torchvision bicubic+antialias; see docs/video.md), and patchified into
 `pixel_values_videos` order: rows (t, h-block, w-block, merge-row, merge-col), columns
 (channel, temporal, patch-row, patch-col). An odd frame count is padded with the last frame.
+
+Contract (stable; safe in a worker process, no global state):
+
+* `preprocess_video_bytes(data, cfg, **options, limits=None, threads=1, workers=None) -> VisualInput`:
+  every failure is a `MediaError` with a code (`service.media.errors`). `limits` (`MediaLimits`) are
+  checked on the plan before any frame is decoded (tokens, decoding work) and by the decoder while it
+  decodes (frames sent, pixels decoded, frame size). `threads` bounds FFmpeg's threads for this item.
+* `plan_video(reader, cfg, **options, limits=None) -> VideoPlan`: the same plan from a reader's packet
+  index, what `service.media.estimate.estimate_video` reports.
+* `meta` of the result: `fps` (the sampled rate), `requested_fps` and `fps_adjusted` / `fps_adjusted_by`
+  (min_frames raised, or max_frames / the frame count lowered, the requested rate), timestamps, work done.
 """
 
 from __future__ import annotations
@@ -27,11 +38,17 @@ import numpy as np
 from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
-from service.media.errors import ASPECT_RATIO, MediaError
+from service.media.errors import (
+    ASPECT_RATIO,
+    INVALID_OPTION,
+    TOO_FEW_FRAMES,
+    TOO_MANY_ITEM_TOKENS,
+    TOO_MUCH_WORK,
+    MediaError,
+)
 from service.media.image_preprocess import MAX_ASPECT_RATIO, smart_resize
-from service.media.video import DEFAULT_MAX_FRAME_PIXELS, TOO_FEW_FRAMES, VideoReader
-
-INVALID_OPTION = "invalid_option"
+from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
+from service.media.video import VideoInfo, VideoReader
 
 QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 QWEN3_FAMILIES = ("qwen3_vl",)
@@ -252,6 +269,20 @@ class SamplingPlan:
     indices: np.ndarray  # int64 [n] frame indices on the stream's timeline
     sample_fps: float  # frames per second of the sample (qwen-vl-utils' sample_fps)
     size: Callable[[int, int], tuple[int, int]]  # upright (H, W) -> resized (h, w)
+    requested_fps: float | None = None  # the fps the count was derived from (None when nframes was given)
+    # What moved the count away from duration * requested fps (beyond rounding): "min_frames" raised it,
+    # "max_frames" or "frame_count" (fewer frames in range than that fps needs) lowered it; None: nothing.
+    fps_adjusted_by: str | None = None
+
+
+def _fps_adjustment(wanted: float, clamped: float, cap: int, count: int) -> str | None:
+    """Which bound the sampling rule clamped `wanted` frames to, if any: min_frames raised it, or the smaller
+    of max_frames (`cap`) and the frames in range (`count`) lowered it."""
+    if clamped > wanted:
+        return "min_frames"
+    if clamped < wanted:
+        return "max_frames" if cap < count else "frame_count"
+    return None
 
 
 def plan_sampling(
@@ -276,6 +307,7 @@ def plan_sampling(
             reason=f"the video has {total_frames} frames at {video_fps} fps", code=TOO_FEW_FRAMES
         )
     vcfg = cfg.video
+    adjusted: str | None = None
     first, last, count = frame_range(total_frames, video_fps, video_start, video_end)
     want_fps = vcfg.fps if fps is None else fps
     lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
@@ -291,6 +323,12 @@ def plan_sampling(
             default_max_frames=vcfg.max_frames,
         )
         indices = torch_linspace_round(first, last, n)
+        if nframes is None:
+            cap = vcfg.max_frames if max_frames is None else max_frames
+            lo_n = ceil_by_factor(vcfg.min_frames if min_frames is None else min_frames, FRAME_FACTOR)
+            hi_n = floor_by_factor(min(cap, count) if max_frames is None else cap, FRAME_FACTOR)
+            wanted = count / video_fps * want_fps
+            adjusted = _fps_adjustment(wanted, min(min(max(wanted, lo_n), hi_n), count), cap, count)
         lo, hi = qwen2_frame_pixel_bounds(
             n,
             min_pixels=lo_px,
@@ -322,6 +360,9 @@ def plan_sampling(
                 code=TOO_FEW_FRAMES,
             )
         indices = np.linspace(first, last, n).round().astype(np.int64)
+        if nframes is None:
+            cap = vcfg.max_frames if max_frames is None else max_frames
+            adjusted = _fps_adjustment(int(count / video_fps * want_fps), n, cap, count)
         hi_budget: float = vcfg.max_pixels if max_pixels is None else max_pixels
         if total_pixels is not None:
             hi_budget = min(hi_budget, total_pixels)
@@ -342,10 +383,20 @@ def plan_sampling(
     else:
         raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
     sample_fps = n / max(count, 1e-6) * video_fps
-    return SamplingPlan(indices=indices, sample_fps=sample_fps, size=size)
+    return SamplingPlan(
+        indices=indices,
+        sample_fps=sample_fps,
+        size=size,
+        requested_fps=None if nframes is not None else float(want_fps),
+        fps_adjusted_by=adjusted,
+    )
 
 
 # -- patches --------------------------------------------------------------------------------------
+
+
+# Decoded RGB frames waiting for a resize thread, at most (besides the one being resized by each thread).
+_INFLIGHT_BYTES = 128 * 2**20
 
 
 class _PatchWriter:
@@ -360,8 +411,10 @@ class _PatchWriter:
         num_slots: int,
         size: Callable[[int, int], tuple[int, int]],
         workers: int,
+        max_tokens: int | None = None,
     ) -> None:
         self.cfg = cfg
+        self.max_tokens = max_tokens
         self.slots_of = slots_of
         self.num_slots = num_slots
         self.size = size
@@ -376,6 +429,8 @@ class _PatchWriter:
     def __call__(self, position: int, rgb: np.ndarray) -> None:
         if self._out is None:
             self._allocate(rgb.shape[0], rgb.shape[1])
+            # Full-size frames wait for a resize thread: bound them by bytes too (a 4096x4096 frame is 50 MB).
+            self._max_inflight = max(1, min(self._max_inflight, _INFLIGHT_BYTES // max(1, rgb.nbytes)))
         if self._pool is None:
             self._write(position, rgb)
             return
@@ -388,6 +443,9 @@ class _PatchWriter:
         h, w = self.size(height, width)
         self.orig_size, self.resized = (height, width), (h, w)
         bh, bw = h // (p * m), w // (p * m)
+        if self.max_tokens is not None:
+            # The plan checked the header's size; the frames themselves decide (a header may lie).
+            _check_tokens((self.num_slots // tps) * bh * bw, self.max_tokens, (self.num_slots // tps, h // p, w // p))
         self._out = np.empty((self.num_slots // tps, bh, bw, m, m, 3, tps, p * p), np.uint8)
         # Patch rows (P contiguous bytes in source and destination) move as single void items.
         self._dst = self._out.view(np.dtype((np.void, p))).reshape(self._out.shape[:-1] + (p,))
@@ -443,7 +501,7 @@ def patchify_video(
 # -- public entry ---------------------------------------------------------------------------------
 
 
-def _check_options(
+def check_options(
     fps: float | None,
     nframes: int | None,
     min_frames: int | None,
@@ -453,7 +511,7 @@ def _check_options(
     min_pixels: int | None,
     max_pixels: int | None,
     total_pixels: int | None,
-    max_frame_pixels: int,
+    max_frame_pixels: int | None,
 ) -> None:
     """Per-request options come from clients: refuse nonsense with a MediaError, not a crash."""
 
@@ -498,6 +556,109 @@ def _check_options(
         raise bad(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
 
 
+@dataclass(frozen=True)
+class VideoPlan:
+    """Everything about one video's preprocessing that is known before any frame is decoded."""
+
+    info: VideoInfo
+    sampling: SamplingPlan
+    positions: np.ndarray  # int64 [n] presentation positions of the sampled frames
+    slots: np.ndarray  # int64 [T] positions padded to a multiple of temporal_patch_size (last one repeated)
+    orig_size: tuple[int, int]  # upright (H, W) the header describes
+    resized: tuple[int, int]  # (h, w) every frame is resized to
+    grid_thw: tuple[int, int, int]
+    tokens: int  # t*h*w / merge_size**2
+    packets: int  # packets the decoder must be sent (VideoReader.packets_needed)
+    decode_pixels: int  # packets x coded width x height
+
+    @property
+    def frames(self) -> int:
+        """Distinct frames to decode and convert."""
+        return len(np.unique(self.positions))
+
+
+def _check_tokens(tokens: int, max_tokens: int, grid: tuple[int, int, int]) -> None:
+    if tokens > max_tokens:
+        raise MediaError(
+            reason=f"the item would be {tokens} tokens (grid {grid[0]}x{grid[1]}x{grid[2]}), above the limit of "
+            f"{max_tokens} per item: ask for fewer frames or fewer pixels",
+            code=TOO_MANY_ITEM_TOKENS,
+        )
+
+
+def plan_video(
+    reader: VideoReader,
+    cfg: ProcessorConfig,
+    *,
+    limits: MediaLimits | None = None,
+    fps: float | None = None,
+    nframes: int | None = None,
+    min_frames: int | None = None,
+    max_frames: int | None = None,
+    video_start: float | None = None,
+    video_end: float | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    total_pixels: int | None = None,
+    cap_pixels_per_frame: bool = False,
+) -> VideoPlan:
+    """Sampling, sizes, grid and decoding work of one video from its reader's index (nothing decoded),
+    refused with a MediaError when above `limits`. Options are those of `preprocess_video_bytes`."""
+    limits = limits or DEFAULT_LIMITS
+    info = reader.info
+    sampling = plan_sampling(
+        cfg,
+        info.num_frames,
+        info.fps,
+        fps=fps,
+        nframes=nframes,
+        min_frames=min_frames,
+        max_frames=max_frames,
+        video_start=video_start,
+        video_end=video_end,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        total_pixels=total_pixels,
+        cap_pixels_per_frame=cap_pixels_per_frame,
+    )
+    positions = reader.positions_at(reader.index_times(sampling.indices))
+    tps = cfg.temporal_patch_size
+    # Pad to a multiple of temporal_patch_size by repeating the last sampled frame.
+    slots = np.concatenate([positions, np.repeat(positions[-1:], -len(positions) % tps)])
+    orig = info.upright_size
+    h, w = sampling.size(*orig)
+    grid = (len(slots) // tps, h // cfg.patch_size, w // cfg.patch_size)
+    tokens = grid[0] * grid[1] * grid[2] // (cfg.merge_size * cfg.merge_size)
+    packets = reader.packets_needed(positions)
+    plan = VideoPlan(
+        info=info,
+        sampling=sampling,
+        positions=positions,
+        slots=slots,
+        orig_size=orig,
+        resized=(h, w),
+        grid_thw=grid,
+        tokens=tokens,
+        packets=packets,
+        decode_pixels=packets * info.width * info.height,
+    )
+    _check_tokens(tokens, limits.max_tokens, grid)
+    if packets > limits.max_decoded_frames:
+        raise MediaError(
+            reason=f"the {plan.frames} sampled frames need {packets} frames decoded from their keyframes, above "
+            f"the limit of {limits.max_decoded_frames} per video: ask for fewer frames or a shorter range "
+            "(video_start/video_end), or send a video with more keyframes",
+            code=TOO_MUCH_WORK,
+        )
+    if plan.decode_pixels > limits.max_decoded_pixels:
+        raise MediaError(
+            reason=f"the sampled frames need {packets} frames of {info.width}x{info.height} decoded "
+            f"({plan.decode_pixels} pixels), above the limit of {limits.max_decoded_pixels} per video",
+            code=TOO_MUCH_WORK,
+        )
+    return plan
+
+
 def preprocess_video_bytes(
     data: bytes | bytearray | memoryview,
     cfg: ProcessorConfig,
@@ -511,20 +672,23 @@ def preprocess_video_bytes(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     total_pixels: int | None = None,
-    max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS,
+    max_frame_pixels: int | None = None,
     cap_pixels_per_frame: bool = False,
-    threads: int = 0,
+    limits: MediaLimits | None = None,
+    threads: int = DEFAULT_DECODE_THREADS,
     workers: int | None = None,
 ) -> VisualInput:
-    """Decode, sample, resize and patchify one video; every bad input raises MediaError.
+    """Decode, sample, resize and patchify one video; every bad or over-limit input raises MediaError.
 
     Options override the config's video defaults for this item (None = config). For Qwen3-VL,
     min_pixels/max_pixels bound T*H*W of the whole clip (size.shortest_edge/longest_edge) and
     total_pixels, if given, lowers that upper bound; cap_pixels_per_frame applies transformers'
-    optional per-frame cap (Qwen3-VL only). threads: FFmpeg decoder threads (0 = auto);
-    workers: resize threads (default min(4, cores)).
+    optional per-frame cap (Qwen3-VL only). limits: per-item bounds (`MediaLimits`, defaults if None),
+    checked on the plan before decoding and by the decoder while it decodes; max_frame_pixels, if
+    given, overrides limits.max_frame_pixels. threads: FFmpeg decoder threads (default 1; 0 = one per
+    core); workers: resize threads (default min(4, cores)).
     """
-    _check_options(
+    check_options(
         fps,
         nframes,
         min_frames,
@@ -538,13 +702,14 @@ def preprocess_video_bytes(
     )
     if cfg.in_channels != 3:
         raise ValueError(f"videos are RGB, the config wants {cfg.in_channels} channels")
+    limits = limits or DEFAULT_LIMITS
     tps = cfg.temporal_patch_size
-    with VideoReader(data, max_frame_pixels=max_frame_pixels, threads=threads) as reader:
+    with VideoReader(data, max_frame_pixels=max_frame_pixels, threads=threads, limits=limits) as reader:
         info = reader.info
-        plan = plan_sampling(
+        plan = plan_video(
+            reader,
             cfg,
-            info.num_frames,
-            info.fps,
+            limits=reader.limits,
             fps=fps,
             nframes=nframes,
             min_frames=min_frames,
@@ -556,35 +721,39 @@ def preprocess_video_bytes(
             total_pixels=total_pixels,
             cap_pixels_per_frame=cap_pixels_per_frame,
         )
-        positions = reader.positions_at(reader.index_times(plan.indices))
-        # Pad to a multiple of temporal_patch_size by repeating the last sampled frame.
-        pad = -len(positions) % tps
-        slots = np.concatenate([positions, np.repeat(positions[-1:], pad)])
+        slots = plan.slots
         slots_of: dict[int, list[int]] = {}
         for slot, position in enumerate(slots.tolist()):
             slots_of.setdefault(position, []).append(slot)
         n_workers = workers if workers is not None else min(4, os.cpu_count() or 1)
-        writer = _PatchWriter(cfg, slots_of, len(slots), plan.size, max(1, n_workers))
+        writer = _PatchWriter(
+            cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens
+        )
         try:
-            reader.read(positions, writer)
+            reader.read(plan.positions, writer)
             pixels = writer.finish()
         finally:
             writer.close()
         timestamps = reader.frame_times[slots]
+        work = dict(reader.stats)
     assert writer.resized is not None and writer.orig_size is not None
     h, w = writer.resized
     grid = (len(slots) // tps, h // cfg.patch_size, w // cfg.patch_size)
+    sampling = plan.sampling
     return VisualInput(
         modality="video",
         pixels=pixels,
         grid_thw=grid,
         meta={
             "timestamps": [round(float(t), 6) for t in timestamps],
-            "fps": plan.sample_fps,
-            "second_per_grid_ts": tps / plan.sample_fps,
+            "fps": sampling.sample_fps,
+            "requested_fps": sampling.requested_fps,
+            "fps_adjusted": sampling.fps_adjusted_by is not None,
+            "fps_adjusted_by": sampling.fps_adjusted_by,
+            "second_per_grid_ts": tps / sampling.sample_fps,
             "frames": len(slots),
-            "sampled_frames": len(positions),
-            "frame_indices": plan.indices.tolist(),
+            "sampled_frames": len(plan.positions),
+            "frame_indices": sampling.indices.tolist(),
             "orig_size": writer.orig_size,
             "resized": (h, w),
             "video_fps": info.fps,
@@ -592,5 +761,7 @@ def preprocess_video_bytes(
             "duration": info.duration,
             "container": info.container,
             "codec": info.codec,
+            "decoded_frames": work["packets_decoded"],
+            "decoded_pixels": work["decoded_pixels"],
         },
     )
