@@ -99,6 +99,10 @@ class ServeSettings(BaseModel):
     max_batch_items: int | None = flag("items per batch (default 256, at most the largest budget)", default=None,
                                        ge=1)
     max_items_per_request: int = flag("items per request, 422 above (default 64)", default=64, ge=1)
+    max_item_tokens: int = flag("merged tokens of one item, estimated before decoding; 413 above (default 65536)",
+                                default=65536, ge=1)
+    max_decoded_frames: int = flag("video frames the decoder may be sent for one item (from the keyframes before "
+                                   "the sampled frames), 413 above (default 7200)", default=7200, ge=1)
     preprocess_workers: int = flag("worker processes that decode and preprocess media and encode responses "
                                    "(default: the cores but two, from 2 to 16)", default_factory=default_workers, ge=1)
     worker_max_rss_mib: int = flag("a worker whose memory passes this while it works on an item is killed, and the "

@@ -74,7 +74,7 @@ CASES = [
      422, "invalid_item", "corrupt_image", 1),
     ("empty media", post_json({"items": [{"type": "image", "image": ""}]}), 422, "invalid_item", "empty", 0),
     ("giant dimensions", post_json({"items": [{"type": "image", "image": b64(GIANT)}]}),
-     422, "invalid_item", "too_large", 0),
+     413, "invalid_item", "too_large", 0),
     ("bad base64", post_json({"items": [{"type": "image", "image": "@@not base64@@"}]}),
      422, "invalid_item", "invalid_base64", 0),
     ("local path", post_json({"items": [{"type": "image", "image": "./photo.jpg"}]}),

@@ -42,6 +42,7 @@ from service.engine.types import (
     new_error_id,
 )
 from service.media.errors import MediaError
+from service.media.limits import MediaLimits
 from service.metrics import EngineSample, Metrics
 from service.settings import ServeSettings
 from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool
@@ -62,6 +63,7 @@ class Engine:
         self.names = shm.SegmentNames()
         self.backends: list[Backend] = make_backends(settings, runner)
         self.workers = WorkerPool(settings.preprocess_workers, memory_limit=settings.worker_max_rss_mib * 2**20)
+        self.limits = MediaLimits(max_tokens=settings.max_item_tokens, max_decoded_frames=settings.max_decoded_frames)
         self.batcher = Batcher(settings, self.metrics, self.names, self._dispatched, self._engines_lost)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inflight = 0  # requests holding a slot
@@ -317,12 +319,12 @@ class Engine:
             try:
                 prepared = await self.workers.call(request, "service.workers.jobs:prepare_media", source,
                                                    len(item.data), item.modality, model.processor, options,
-                                                   pixels, on_ask=admit)
+                                                   self.limits, pixels, on_ask=admit)
             except MediaError as exc:
-                raise ItemError(item.index, exc.reason, exc.code) from None
+                raise ItemError(item.index, exc.reason, exc.code, exc.status) from None
             except WorkerDied as exc:
                 if exc.reason == "memory":
-                    raise ItemError(item.index, str(exc), "too_much_memory") from None
+                    raise ItemError(item.index, str(exc), "too_much_memory", 413) from None
                 if exc.reason == "stopped":
                     raise NotReady("the server is stopping", "stopped") from None
                 raise ItemError(item.index, f"{exc}: the media is probably malformed", "decoder_crashed") from None

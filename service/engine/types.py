@@ -32,12 +32,13 @@ class EngineError(Exception):
 
 
 class ItemError(EngineError):
-    """One item cannot be used (422): bad, or more work than the server's limits allow. `index` is its
-    position in the request."""
+    """One item cannot be used: bad (422), or more work than the server's limits allow (413). `index` is
+    its position in the request."""
 
-    def __init__(self, index: int, message: str, code: str) -> None:
+    def __init__(self, index: int, message: str, code: str, status: int = 422) -> None:
         super().__init__(message, code)
         self.index = index
+        self.status = status
 
 
 class RequestRejected(EngineError):

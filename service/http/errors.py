@@ -16,6 +16,7 @@ from service.engine.types import (
     NotReady,
     Overloaded,
     RequestRejected,
+    StorageFull,
 )
 from service.http.schemas import VIDEO_ONLY
 
@@ -38,14 +39,17 @@ class ClientGone(Exception):
     """The client disconnected while its items were queued or running."""
 
 
-def item_error(index: int, message: str, code: str) -> ApiError:
-    """422 `invalid_item`: the message names the item, as `index` does."""
-    return ApiError(422, "invalid_item", f"item {index}: {message}", code, index)
+def item_error(index: int, message: str, code: str, status: int = 422) -> ApiError:
+    """`invalid_item`: 422, or 413 where the item needs more work than the server allows; the message names
+    the item, as `index` does."""
+    return ApiError(status, "invalid_item", f"item {index}: {message}", code, index)
 
 
 def from_engine(exc: Exception) -> ApiError:
     if isinstance(exc, ItemError):
-        return item_error(exc.index, exc.message, exc.code)
+        return item_error(exc.index, exc.message, exc.code, exc.status)
+    if isinstance(exc, StorageFull):
+        return ApiError(507, "insufficient_storage", exc.message, exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, RequestRejected):
         return ApiError(422, "invalid_request", exc.message, exc.code)
     if isinstance(exc, Overloaded):

@@ -22,16 +22,9 @@ import torch
 from models.config import ProcessorConfig, VisualInput
 from service import shm
 from service.engine.types import OutputRef
+from service.media.limits import MediaLimits
 
 torch.set_num_threads(1)  # a worker is one core's worth of work; the pool spreads them
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """An item's cost, known before decoding: its grid and merged tokens."""
-
-    grid_thw: tuple[int, int, int]
-    tokens: int
 
 
 @dataclass
@@ -50,56 +43,29 @@ def _read(segment: str, length: int) -> bytes:
         mapping.close()
 
 
-def estimate(data: bytes, modality: str, cfg: ProcessorConfig, options: dict[str, Any]) -> Estimate:
-    """The item's grid from its header or container metadata alone (no pixel is decoded)."""
-    merge = cfg.merge_size * cfg.merge_size
-    if modality == "image":
-        import io
-
-        from PIL import Image
-
-        from service.media.image_preprocess import smart_resize
-        from service.media.images import decode_image, sniff_format
-
-        fmt = sniff_format(data)
-        try:
-            width, height = Image.open(io.BytesIO(data), formats=[fmt]).size if fmt else (0, 0)
-        except Exception:  # noqa: BLE001 - the decoder below names the problem
-            width = height = 0
-        if not width or not height:
-            decode_image(data)  # raises the MediaError that says why
-        h, w = smart_resize(height, width, cfg.factor, options.get("min_pixels", cfg.min_pixels),
-                            options.get("max_pixels", cfg.max_pixels))
-        grid = (1, h // cfg.patch_size, w // cfg.patch_size)
-    else:
-        from service.media.video import VideoReader
-        from service.media.video_preprocess import plan_sampling
-
-        sampling = {k: v for k, v in options.items() if k != "max_frame_pixels"}
-        with VideoReader(data, threads=1) as reader:
-            info = reader.info
-            plan = plan_sampling(cfg, info.num_frames, info.fps, **sampling)
-        h, w = plan.size(info.height, info.width)
-        frames = len(plan.indices) + (-len(plan.indices) % cfg.temporal_patch_size)
-        grid = (frames // cfg.temporal_patch_size, h // cfg.patch_size, w // cfg.patch_size)
-    return Estimate(grid, grid[0] * grid[1] * grid[2] // merge)
-
-
 def prepare_media(ctx: Any, source: str, length: int, modality: str, cfg: ProcessorConfig,
-                  options: dict[str, Any], pixels: str) -> Prepared:
-    """Estimate, ask to go on, decode and preprocess; the patches go to segment `pixels`."""
+                  options: dict[str, Any], limits: MediaLimits, pixels: str) -> Prepared:
+    """Estimate from the header or container metadata, ask the server to admit that cost, then decode and
+    preprocess within `limits`; the patches go to segment `pixels`."""
+    from service.media.estimate import estimate_image, estimate_video
+
     t0 = time.perf_counter()
     data = _read(source, length)
-    cost = estimate(data, modality, cfg, options)
+    if modality == "image":
+        cost = estimate_image(data, cfg, min_pixels=options.get("min_pixels"), max_pixels=options.get("max_pixels"),
+                              limits=limits)
+    else:
+        cost = estimate_video(data, cfg, limits=limits, **options)
     ctx.ask(cost)  # admission: raises Aborted (no result) when the server refuses the item
     if modality == "image":
         from service.media.image_preprocess import preprocess_image_bytes
 
-        visual: VisualInput = preprocess_image_bytes(data, cfg, options.get("min_pixels"), options.get("max_pixels"))
+        visual: VisualInput = preprocess_image_bytes(data, cfg, options.get("min_pixels"), options.get("max_pixels"),
+                                                     limits=limits)
     else:
         from service.media.video_preprocess import preprocess_video_bytes
 
-        visual = preprocess_video_bytes(data, cfg, threads=1, workers=1, **options)
+        visual = preprocess_video_bytes(data, cfg, threads=1, workers=1, limits=limits, **options)
     del data
     shm.write_array(pixels, visual.pixels)
     return Prepared(tuple(int(x) for x in visual.grid_thw), visual.num_patches,  # type: ignore[arg-type]
