@@ -19,6 +19,7 @@ from models.presets import DEFAULT_MODEL
 
 ENV_PREFIX = "VITSERVE_"
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 # Values of --video-chunking that mean "off" (the helm chart leaves the variable out for null).
 CHUNKING_OFF = {"", "off", "none", "false", "0"}
 CHUNKING_ON = {"on", "true", "1", "yes"}
@@ -79,6 +80,8 @@ class ServeSettings(BaseModel):
     allowed_hosts: list[str] = Field(default_factory=list)
     url_timeout_s: float = Field(10.0, gt=0)
     ec_shared_storage: Path | None = None
+    ec_max_bytes: int = Field(8 * GIB, ge=0, description="bound of the shared folder (oldest out first); 0: none")
+    cache_bytes: int = Field(GIB, ge=0, description="host memory of the encoder-output cache; 0: no cache")
     video_chunking: bool = False
     data_parallel: int | Literal["auto"] = Field(1, description="engines, one per GPU (auto: every visible GPU)")
     # Test hook: sleep this long before every batch (a slow engine for timeout and drain tests).

@@ -311,7 +311,7 @@ class Engine:
                 raise RequestRejected(f"the request needs {total} tokens, above the queue limit of {limit} "
                                       "(--max-queued-tokens): send fewer or smaller items", "too_many_tokens")
             works = [
-                Work(it, v, n, spec, spec.ec_cache and it.id is not None, loop.create_future(), loop, dt)
+                Work(it, v, n, spec, spec.ec_cache, loop.create_future(), loop, dt)
                 for it, (v, dt), n in zip(items, prepared, tokens)
             ]
         except BaseException:

@@ -92,7 +92,7 @@ class OutputSpec:
     dtype: torch.dtype = torch.float32
     deepstack: bool = False  # per-layer DeepStack tensors
     joined: bool = False  # main embedding and DeepStack concatenated along hidden (vLLM's layout)
-    ec_cache: bool = False  # the joined tensor in the served dtype, for items that carry an id
+    ec_cache: bool = False  # the joined tensor in the served dtype (service.handoff caches and stores it)
 
 
 @dataclass
@@ -111,6 +111,11 @@ class ItemResult:
     preprocess_s: float = 0.0
     queue_s: float = 0.0
     gpu_s: float = 0.0
+    # Set by service.handoff, never by the engine: the content id, the uuid vLLM gets (the id, else the
+    # content id) and whether the encoder-output cache answered.
+    content_id: str | None = None
+    uuid: str | None = None
+    cached: bool = False
 
 
 @dataclass(eq=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
-import json
 import logging
 import os
 import time
@@ -22,8 +21,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.engine.core import Engine
-from service.engine.types import EngineError, ItemResult, NotReady, OutputSpec
-from service.handoff.ec_storage import ECSharedStorage
+from service.engine.types import EngineError, ItemResult, MediaItem, NotReady, OutputSpec
+from service.handoff.ec_storage import StorageError
+from service.handoff.pipeline import Handoff
 from service.http import encoders
 from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
@@ -49,7 +49,8 @@ class Service:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
-        self.storage = ECSharedStorage(settings.ec_shared_storage) if settings.ec_shared_storage else None
+        self.handoff = Handoff(settings)
+        metrics.attach_cache(self.handoff.stats)
         self.fetcher: UrlFetcher | None = None
         self._api_key = settings.api_key_bytes()
 
@@ -101,9 +102,9 @@ class Service:
                 raise item_error(it.index, "the URL returned no bytes", "empty")
             it.data = data
 
-    async def encode_items(self, request: Request, parsed: Parsed, spec: OutputSpec) -> list[ItemResult]:
+    async def encode_items(self, request: Request, items: list[MediaItem], spec: OutputSpec) -> list[ItemResult]:
         """engine.encode raced against the client going away (then its queued items are dropped)."""
-        work = asyncio.ensure_future(self.engine.encode([it.media() for it in parsed.items], spec))
+        work = asyncio.ensure_future(self.engine.encode(items, spec))
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -124,6 +125,9 @@ class Service:
             return exc.response()
         except EngineError as exc:
             return from_engine(exc).response()
+        except StorageError as exc:  # the shared encoder-cache folder: full (507) or unwritable (503)
+            kind = "insufficient_storage" if exc.status == 507 else "unavailable"
+            return ApiError(exc.status, kind, exc.message, exc.code, headers={"Retry-After": "5"}).response()
         except (asyncio.TimeoutError, TimeoutError):
             return ApiError(504, "timeout", f"the request took longer than {self.settings.request_timeout_s:g}s "
                                             "(--request-timeout-s)", "timeout").response()
@@ -153,11 +157,15 @@ class Service:
             dtype=encoders.DTYPES[out.dtype],
             deepstack=out.include_deepstack,
             joined=out.encoding_format == "vllm" and not want_st,
-            ec_cache=self.storage is not None,
         )
-        results = await self.encode_items(request, parsed, spec)
-        if self.storage is not None:
-            await self.run_in_pool(self.write_ec, results)
+        model_info = self.engine.model
+        if model_info is None:
+            self.engine.check_accepting()
+        assert model_info is not None
+        results = await self.handoff.encode(
+            [it.media() for it in parsed.items], out.encoding_format, spec, model_info,
+            lambda items, spec: self.encode_items(request, items, spec), self.run_in_pool)
+        headers = {"x-vitserve-cache-hits": str(sum(r.cached for r in results))}
         request_id = "enc-" + uuid.uuid4().hex
         model = self.settings.model_name
         if want_st:
@@ -165,18 +173,13 @@ class Service:
             content = await self.run_in_pool(lambda: encoders.safetensors_body(
                 results, request_id=request_id, model=model, dtype=out.dtype, include_deepstack=out.include_deepstack,
                 family=family))
-            return Response(content, media_type=encoders.SAFETENSORS_MEDIA_TYPE, headers={"x-request-id": request_id})
+            return Response(content, media_type=encoders.SAFETENSORS_MEDIA_TYPE,
+                            headers={"x-request-id": request_id, **headers})
+        family, tps = self.engine.family, model_info.processor.temporal_patch_size
         content = await self.run_in_pool(lambda: encoders.json_body(
             results, request_id=request_id, model=model, fmt=out.encoding_format, dtype=out.dtype,
-            include_deepstack=out.include_deepstack))
-        return Response(content, media_type="application/json", headers={"x-request-id": request_id})
-
-    def write_ec(self, results: list[ItemResult]) -> None:
-        assert self.storage is not None
-        for r in results:
-            if r.ec_cache is not None and r.id is not None:
-                self.storage.write(r.id, r.ec_cache, {"model": self.settings.model_name,
-                                                      "grid_thw": json.dumps(list(r.grid_thw))})
+            include_deepstack=out.include_deepstack, family=family, temporal_patch_size=tps))
+        return Response(content, media_type="application/json", headers={"x-request-id": request_id, **headers})
 
     async def drain(self, timeout: float) -> bool:
         """SIGTERM: refuse new work, let admitted requests finish (True if all did in time)."""
@@ -217,7 +220,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (422, "invalid request or item (the error names the item index)"),
         (429, "over --max-queued-tokens or --max-concurrent-requests; see Retry-After"),
         (500, "internal error; error_id is logged with the traceback"),
-        (503, "starting or shutting down, or the engine running the request exited (engine_failed)"),
+        (503, "starting or shutting down, the engine running the request exited (engine_failed), or the "
+              "--ec-shared-storage folder cannot be written (storage_unavailable)"),
+        (507, "the --ec-shared-storage folder is full (insufficient_storage); nothing was written"),
         (504, "over --request-timeout-s"),
     ]
 }
@@ -231,8 +236,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if service.storage is not None:
-            service.storage.check()
+        service.handoff.start()
         if start_engine and engine.state == "starting":
             engine.start(background=engine.runner is None)
         try:
@@ -263,8 +267,10 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
     async def encode(request: Request) -> Response:
         t0 = time.perf_counter()
         response = await service.respond(request)
+        elapsed = time.perf_counter() - t0
         metrics.requests.labels(str(response.status_code)).inc()
-        metrics.request_seconds.observe(time.perf_counter() - t0)
+        metrics.request_seconds.observe(elapsed)
+        response.headers["server-timing"] = f"encode;dur={elapsed * 1000:.3f}"  # what the server spent on it
         return response
 
     @app.get("/health", summary="Liveness")
@@ -294,7 +300,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             service.check_auth(request)
         except ApiError as exc:
             return exc.response()
-        return JSONResponse({"version": VERSION, **engine.info(), "settings": settings.public_dict()})
+        return JSONResponse({"version": VERSION, **engine.info(), "cache": service.handoff.info(),
+                             "settings": settings.public_dict()})
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:

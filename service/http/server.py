@@ -57,8 +57,13 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
                          help="fetch http(s) media URLs whose host is in --allowed-hosts (default off)")),
     ("--allowed-hosts", dict(help="comma list of hosts URLs may name (*.example.com allowed)")),
     ("--url-timeout-s", dict(type=float, help="timeout of one URL fetch (default 10)")),
-    ("--ec-shared-storage", dict(help="folder shared with vLLM's encoder-cache connector: items with an id are "
-                                      "also written to PATH/<id>/encoder_cache.safetensors")),
+    ("--ec-shared-storage", dict(help="folder shared with vLLM's encoder-cache connector: encoding_format vllm_ref "
+                                      "writes every item (other formats: items with an id) to "
+                                      "PATH/<uuid>/encoder_cache.safetensors")),
+    ("--ec-max-bytes", dict(type=int, help="bound of the --ec-shared-storage folder; the oldest entries go first "
+                                           "(default 8 GiB; 0: unbounded)")),
+    ("--cache-bytes", dict(type=int, help="host memory of the encoder-output cache keyed by content id: a repeated "
+                                          "item skips decoding and the GPU (default 1 GiB; 0: off)")),
     ("--video-chunking", dict(help="on | off (default off): serve videos longer than --t-capture as exact chunks "
                                    "of t_capture temporal patches through graphs instead of eagerly")),
     ("--data-parallel", dict(help="engines, one per GPU, each in its own process behind this server: a number, or "
