@@ -35,6 +35,8 @@
 #   VITSERVE_URL_TIMEOUT_S            timeout of one URL fetch
 #   VITSERVE_VIDEO_CHUNKING           video chunking (not implemented yet: leave unset)
 #   VITSERVE_EC_SHARED_STORAGE        folder shared with an LLM server's encoder-cache connector
+#   VITSERVE_EC_MAX_BYTES             bound of that folder, oldest entries out first; 8 GiB (0: none)
+#   VITSERVE_CACHE_BYTES              host memory of the encoder-output cache; 1 GiB (0: off)
 #   VITSERVE_DATA_PARALLEL            encoder replicas (one GPU each) in this process; only 1 for now
 #
 # Endpoints: GET /health (liveness), GET /ready (readiness), GET /metrics (Prometheus), POST /encode.

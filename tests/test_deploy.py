@@ -72,6 +72,8 @@ SERVE_FLAGS = [
     "url-timeout-s",
     "video-chunking",
     "ec-shared-storage",
+    "ec-max-bytes",
+    "cache-bytes",
     "data-parallel",
 ]
 SERVE_ENV = {flag: "VITSERVE_" + flag.upper().replace("-", "_") for flag in SERVE_FLAGS}
