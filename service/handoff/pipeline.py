@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from service.engine.types import ItemResult, MediaItem, ModelInfo, OutputSpec, RequestRejected
 from service.handoff.cache import CachedOutput, EncoderCache, owned
@@ -31,7 +31,6 @@ from service.settings import ServeSettings
 from service.version import VERSION
 
 log = logging.getLogger("vitserve.handoff")
-T = TypeVar("T")
 Run = Callable[[list[MediaItem], OutputSpec], Awaitable[list[ItemResult]]]
 InPool = Callable[..., Awaitable[Any]]
 # The response fields of a video's meta, and what vLLM's parts are built from: all a stored file keeps.
@@ -117,18 +116,20 @@ class Handoff:
         misses = [i for i in leaders.values() if cids[i] not in entries]
         if misses:
             ran = await run([items[i] for i in misses], replace(spec, ec_cache=True))
-            for i, r in zip(misses, ran):
-                assert r.ec_cache is not None
-                entry = CachedOutput(r.modality, r.grid_thw, r.num_patches, r.num_tokens, dict(r.meta),
-                                     owned(r.ec_cache), model.out_hidden_size)
+            made = await in_pool(_entries, ran, model.out_hidden_size)  # copies: off the event loop
+            for i, r, entry in zip(misses, ran, made):
                 entries[cids[i]] = entry
                 if self.cache.enabled:
                     self.cache.put(cids[i], entry)
                 results[i] = r
-        for i in range(n):
-            r = results[i] or from_entry(entries[cids[i]], items[i], spec)
+        answered = [i for i in range(n) if results[i] is None]
+        if answered:  # dtype conversions of the cached outputs: off the event loop too
+            built = await in_pool(_results, [(entries[cids[i]], items[i]) for i in answered], spec)
+            for i, r in zip(answered, built):
+                results[i] = r
+        for i, r in enumerate(results):
+            assert r is not None
             r.content_id, r.uuid, r.cached = cids[i], uuids[i], source[i] is not None
-            results[i] = r
         self.misses += len(misses)
         for s in source:
             if s is not None:
@@ -217,6 +218,19 @@ class Handoff:
 
 def _content_ids(items: Sequence[MediaItem], identity: str) -> list[str]:
     return [content_id(identity, it.modality, it.options, it.data) for it in items]
+
+
+def _entries(ran: Sequence[ItemResult], out_hidden_size: int) -> list[CachedOutput]:
+    out = []
+    for r in ran:
+        assert r.ec_cache is not None
+        out.append(CachedOutput(r.modality, r.grid_thw, r.num_patches, r.num_tokens, dict(r.meta),
+                                owned(r.ec_cache), out_hidden_size))
+    return out
+
+
+def _results(pairs: Sequence[tuple[CachedOutput, MediaItem]], spec: OutputSpec) -> list[ItemResult]:
+    return [from_entry(entry, item, spec) for entry, item in pairs]
 
 
 def from_entry(entry: CachedOutput, item: MediaItem, spec: OutputSpec) -> ItemResult:
