@@ -38,6 +38,7 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # nothing leaves the machine
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
