@@ -159,9 +159,7 @@ class Service:
             joined=out.encoding_format == "vllm" and not want_st,
         )
         model_info = self.engine.model
-        if model_info is None:
-            self.engine.check_accepting()
-        assert model_info is not None
+        assert model_info is not None  # loaded: handle_encode's check_accepting passed
         results = await self.handoff.encode(
             [it.media() for it in parsed.items], out.encoding_format, spec, model_info,
             lambda items, spec: self.encode_items(request, items, spec), self.run_in_pool)
@@ -222,8 +220,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (500, "internal error; error_id is logged with the traceback"),
         (503, "starting or shutting down, the engine running the request exited (engine_failed), or the "
               "--ec-shared-storage folder cannot be written (storage_unavailable)"),
-        (507, "the --ec-shared-storage folder is full (insufficient_storage); nothing was written"),
         (504, "over --request-timeout-s"),
+        (507, "the --ec-shared-storage folder is full (insufficient_storage); nothing was written"),
     ]
 }
 
