@@ -14,9 +14,9 @@ full disk raises `StorageError` (507) and leaves nothing behind; any other failu
 
 vLLM never deletes these files. With `max_bytes` the folder is trimmed oldest first (by modification
 time; a cache hit refreshes it) after each write, sparing entries younger than `grace_s` (a consumer may
-be about to read them) and entries being written. The trim also clears temporary files and empty folders
-older than `grace_s`: a crash's leftovers, and the empty folder vLLM 0.13's consumer creates for every
-lookup.
+be about to read them) and entries being written. Scanning the folder (at start-up, and at most once a
+minute while a trim finds it over its bound) also clears temporary files and empty folders older than
+`grace_s`: a crash's leftovers, and the empty folder vLLM 0.13's consumer creates for every lookup.
 """
 
 from __future__ import annotations
