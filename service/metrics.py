@@ -116,6 +116,39 @@ class MemoryCollector(Collector):
                     family.add_metric([str(i), kind], value)
         yield family
 
+class CacheCollector(Collector):
+    """The encoder-output cache and the shared encoder-cache folder (service.handoff), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable:
+        data = self._stats()
+        hits = CounterMetricFamily("vitserve_cache_hits", "Items answered without the engine, by where the output "
+                                   "was found (memory: the host cache or a repeat in the request; storage: a "
+                                   "valid file in --ec-shared-storage)", labels=["source"])
+        for source, n in sorted(data["hits"].items()):
+            hits.add_metric([source], n)
+        misses = CounterMetricFamily("vitserve_cache_misses", "Items the engine encoded because no cache held them")
+        misses.add_metric([], data["misses"])
+        evictions = CounterMetricFamily("vitserve_cache_evictions", "Entries evicted to stay within the bound",
+                                        labels=["store"])
+        size = GaugeMetricFamily("vitserve_cache_bytes", "Bytes held", labels=["store"])
+        items = GaugeMetricFamily("vitserve_cache_items", "Entries held", labels=["store"])
+        for store in ("memory", "storage"):
+            part = data.get(store)
+            if part is None:
+                continue
+            evictions.add_metric([store], part["evictions"])
+            size.add_metric([store], part["bytes"])
+            items.add_metric([store], part["items"])
+        writes = CounterMetricFamily("vitserve_ec_storage_writes", "Files written to --ec-shared-storage")
+        errors = CounterMetricFamily("vitserve_ec_storage_write_errors", "Failed writes to --ec-shared-storage")
+        if data.get("storage") is not None:
+            writes.add_metric([], data["storage"]["writes"])
+            errors.add_metric([], data["storage"]["write_errors"])
+        yield from (hits, misses, evictions, size, items, writes, errors)
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -155,6 +188,10 @@ class Metrics:
 
     def attach_memory(self, memory: Callable[[], list[dict[str, Any] | None]]) -> None:
         self.registry.register(MemoryCollector(memory))
+
+    def attach_cache(self, stats: Callable[[], dict[str, Any]]) -> None:
+        """The hand-off's cache series (`Handoff.stats`): hits, misses, evictions, bytes."""
+        self.registry.register(CacheCollector(stats))
 
     def attach_engines(self, engines: Callable[[], list[EngineSample]]) -> None:
         """Per-engine series, only for a multi-engine server (the single engine has no `gpu` label)."""

@@ -19,6 +19,7 @@ from models.presets import DEFAULT_MODEL
 
 ENV_PREFIX = "VITSERVE_"
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 # Values of --video-chunking that mean "off" (the helm chart leaves the variable out for null).
 CHUNKING_OFF = {"", "off", "none", "false", "0"}
 CHUNKING_ON = {"on", "true", "1", "yes"}
@@ -111,9 +112,13 @@ class ServeSettings(BaseModel):
     allowed_hosts: list[str] = flag("comma list of hosts URLs may name (*.example.com allowed; default none)",
                                     default_factory=list)
     url_timeout_s: float = flag("total time to fetch one URL (default 10)", default=10.0, gt=0)
-    ec_shared_storage: Path | None = flag("folder shared with vLLM's encoder-cache connector: items with an id are "
-                                          "also written to PATH/<id>/encoder_cache.safetensors (default none)",
-                                          default=None)
+    ec_shared_storage: Path | None = flag("folder shared with vLLM's encoder-cache connector: vllm_ref items, and "
+                                          "items with an id, are written to PATH/<uuid>/encoder_cache.safetensors "
+                                          "(default none)", default=None)
+    ec_max_bytes: int = flag("bound of the --ec-shared-storage folder, oldest files out first; 0: no bound (default "
+                             "8 GiB)", default=8 * GIB, ge=0)
+    cache_bytes: int = flag("host memory (in /dev/shm) of the encoder-output cache, keyed by content id; 0: no cache "
+                            "(default 1 GiB)", default=GIB, ge=0)
     video_chunking: bool = flag("on | off (default off): serve videos longer than --t-capture as exact chunks of "
                                 "t_capture temporal patches through graphs instead of eagerly", default=False,
                                 text=True)

@@ -43,3 +43,66 @@ def write_checkpoint(preset_name: str, folder: Path, seed: int = 0, max_shard_si
     if preset.video_preprocessor:
         (folder / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
     return model
+
+
+# ---- what vLLM needs to parse and process requests for a tiny preset ---------------------------------
+VLLM_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|image_pad|>", "<|video_pad|>"]
+# The Qwen-VL chat layout reduced to what placeholders need: media parts become vision_start, one pad
+# token, vision_end; vLLM's processor expands the pad to the item's tokens.
+VLLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
+    """A checkpoint folder vLLM's config, tokenizer and multimodal processor load without a hub: the full
+    model's config (text hidden size = the tower's output size, as in the released models, so vLLM's
+    embedding checks and Qwen3-VL's DeepStack split apply), the preprocessor configs, and a byte-level
+    tokenizer (256 byte tokens plus the Qwen-VL special tokens) with a chat template. No weights: vLLM
+    builds its model with dummy ones."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[preset_name]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VLLM_SPECIAL_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in VLLM_SPECIAL_TOKENS}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 8192, "chat_template": VLLM_CHAT_TEMPLATE}))
+
+    out_hidden = preset.vision.get("out_hidden_size", preset.vision.get("hidden_size"))
+    text: dict = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192,
+                      bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    head_dim = 16 if preset.family == "qwen3_vl" else out_hidden // text["num_attention_heads"]
+    half = head_dim // 2  # vLLM's M-RoPE wants the sections to cover half the head
+    rope: dict = {"rope_type": "default", "rope_theta": 10000.0,
+                  "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+    if preset.family == "qwen3_vl":
+        text["head_dim"] = head_dim
+        rope["mrope_interleaved"] = True
+    text["rope_parameters"] = rope
+    cfg = AutoConfig.for_model(
+        preset.family, vision_config=preset.vision, text_config=text,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+    )
+    cfg.architectures = [CLASSES[preset.family]]
+    cfg.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor))
+    if preset.video_preprocessor:
+        (folder / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
+    return folder

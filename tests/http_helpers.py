@@ -30,9 +30,11 @@ from service.metrics import Metrics
 from service.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
+# The encoder-output cache is off: most tests send the same media again and mean the engine to run it
+# (tests/test_http_cache.py turns it on).
 TEST_DEFAULTS: dict[str, Any] = dict(
     model="tiny-qwen2-vl", device="cpu", dtype="float32", max_batch_tokens=1024, preprocess_workers=2,
-    log_level="warning", request_timeout_s=60,
+    log_level="warning", request_timeout_s=60, cache_bytes=0,
 )
 
 
@@ -139,7 +141,7 @@ class SubprocessServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         defaults = ["--device", "cpu", "--dtype", "float32", "--max-batch-tokens", "1024",
-                    "--preprocess-workers", "2", "--log-level", "info", "--host", "127.0.0.1"]
+                    "--preprocess-workers", "2", "--log-level", "info", "--host", "127.0.0.1", "--cache-bytes", "0"]
         if model is not None:
             defaults += ["--model", model]
         # A slow engine is a test-only launcher, never a server flag (tests/hooks/slow_server.py).

@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
@@ -212,3 +213,19 @@ def test_sigterm_drains_stops_the_engines_and_leaks_nothing(served):
     assert "draining" in log and "stopped: 2 engine(s)" in log
     wait_for(lambda: all(gone(p) for p in kids), 10, f"children of the server still run: {kids}")
     assert segments(pid) == []
+
+
+def test_the_cache_and_the_shared_folder_behind_engine_processes(tmp_path, reference):
+    """The served-dtype output the cache keeps comes back through the engines' shared memory: a miss, the
+    file it leaves for vLLM and the hit after it hold the single engine's values."""
+    store = tmp_path / "ec"
+    with SubprocessServer("--data-parallel", "2", "--max-batch-tokens", str(BUDGET), "--max-batch-items", "2",
+                          "--cache-bytes", str(1 << 26), "--ec-shared-storage", str(store)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        miss = c.post("/encode", json={**body(0), "encoding_format": "vllm_ref"})
+        hit = c.post("/encode", json=body(0))
+    assert miss.headers["x-vitserve-cache-hits"] == "0" and hit.headers["x-vitserve-cache-hits"] == "2"
+    for got, want, entry in zip(embeddings(hit), expected(reference, 0), miss.json()["data"]):
+        np.testing.assert_array_equal(got, want)
+        path = store / entry["content_part"]["uuid"] / "encoder_cache.safetensors"
+        np.testing.assert_array_equal(load_file(str(path))["ec_cache"].numpy(), want)

@@ -678,6 +678,12 @@ def test_sidecar_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     env = {e["name"]: e.get("value") for e in vitserve["env"]}
     assert env["VITSERVE_EC_SHARED_STORAGE"] == "/ec-cache"
+    # The vLLM release the hand-off is verified with (tests/test_vllm_handoff.py), and a folder bound below
+    # the volume's size limit (an emptyDir over it gets the pod evicted).
+    assert llm["image"].endswith(":v0.33.0")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "ec-cache"]
+    limit = volume["emptyDir"]["sizeLimit"]
+    assert limit.endswith("Gi") and int(env["VITSERVE_EC_MAX_BYTES"]) < int(limit[:-2]) * 2**30
     service = _one(objects, "Service")
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "openai"}
 

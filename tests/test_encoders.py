@@ -50,15 +50,38 @@ def test_float_rows_are_exact():
 
 def test_vllm_content_parts():
     img = result(item_id="im-1", layers=2)
-    part = encoders.vllm_content_part(img)
+    vid = result(1, modality="video", meta={"frame_indices": [0, 2, 4, 6], "video_fps": 4.0})
+    vid.uuid = "vit-abc"
+    body = json.loads(encoders.json_body([img, vid], request_id="x", model="m", fmt="vllm", dtype="float32",
+                                         include_deepstack=False, family="qwen3_vl"))
+    part = body["data"][0]["content_part"]
     assert part["type"] == "image_embeds" and part["uuid"] == "im-1"
     embeds = torch.load(io.BytesIO(base64.b64decode(part["image_embeds"]["image_embeds"])), weights_only=True)
     grid = torch.load(io.BytesIO(base64.b64decode(part["image_embeds"]["image_grid_thw"])), weights_only=True)
     assert torch.equal(embeds, torch.cat([img.embeds, *img.deepstack], -1)) and embeds.shape == (6, 24)
     assert grid.dtype == torch.int64 and grid.shape == (3,) and grid.tolist() == list(img.grid_thw)
-    vid = encoders.vllm_content_part(result(modality="video"))
-    assert vid["type"] == "video_embeds" and set(vid["video_embeds"]) == {"video_embeds", "video_grid_thw"}
-    assert "uuid" not in vid
+    part = body["data"][1]["content_part"]
+    assert part["type"] == "video_embeds" and part["uuid"] == "vit-abc"
+    assert set(part["video_embeds"]) == {"video_embeds", "video_grid_thw", "timestamps"}
+    assert part["video_embeds"]["timestamps"] == [0.25, 1.25]  # one per temporal step: mean of its two frames
+    assert "embedding" not in body["data"][0] and "warnings" not in body["data"][1]
+
+
+def test_vllm_ref_parts():
+    img = result(item_id="im-1", layers=2)
+    vid = result(1, modality="video", meta={"frame_indices": [0, 2, 4], "video_fps": 2.0, "second_per_grid_ts": 2.0,
+                                            "fps": 1.0})
+    vid.uuid = "vit-abc"
+    for family, stamps in [("qwen3_vl", {"timestamps": [0.5, 2.0]}), ("qwen2_5_vl", {}), ("qwen2_vl", {})]:
+        body = json.loads(encoders.json_body([img, vid], request_id="x", model="m", fmt="vllm_ref", dtype="float32",
+                                             include_deepstack=False, family=family))
+        image, video = body["data"]
+        assert image["content_part"] == {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 12]},
+                                         "uuid": "im-1"}
+        assert video["content_part"] == {"type": "video_embeds",
+                                         "video_embeds": {"video_grid_thw": [2, 2, 6], **stamps}, "uuid": "vit-abc"}
+        # Qwen2.5-VL video off 2 fps: vLLM would place it with 1.0 s per temporal step
+        assert ("warnings" in video) == (family == "qwen2_5_vl")
 
 
 def test_json_body_and_video_fields():

@@ -164,8 +164,11 @@ def test_every_flag_comes_from_the_settings_and_names_its_true_default():
         default = field.default
         if isinstance(default, bool):
             assert ("default off" in help_text) == (default is False), name
-        elif isinstance(default, (int, float)) and not isinstance(default, bool) and name != "max_payload_bytes":
-            shown = f"{default:g}" if isinstance(default, float) else str(default)
-            assert f"default {shown}" in help_text, (name, help_text)
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            shown = [f"{default:g}" if isinstance(default, float) else str(default)]
+            for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+                if isinstance(default, int) and default and default % size == 0:
+                    shown.append(f"{default // size} {unit}")
+            assert any(f"default {x}" in help_text for x in shown), (name, help_text)
         elif isinstance(default, str):
             assert default in help_text, (name, help_text)

@@ -1,5 +1,11 @@
-"""The vLLM hand-off example (`service/handoff/sidecar.py`) end to end: a real vitserve on loopback, a fake vLLM
-endpoint recording the chat request, the parts decoded exactly as vLLM decodes them."""
+"""The request flow of `service/handoff/sidecar.py` (client -> vitserve -> vLLM chat request) against a real
+vitserve on loopback.
+
+The LLM server here is a fake that records the chat request: only what vLLM's code cannot show without a GPU
+(an OpenAI server accepting a POST). What vLLM makes of such a request, its content parts and the shared
+folder's files, is tested with vLLM's own code in tests/test_vllm_handoff.py, which feeds it a request
+recorded the same way.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,9 @@ import base64
 import json
 import subprocess
 import sys
-from http.server import ThreadingHTTPServer
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -25,8 +31,10 @@ from tests.http_helpers import (
     server_url,
     settings,
 )
+from tests.videos import make_video
 
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
+VIDEO = make_video(8, fps=4, width=64, height=48)
 ANSWER = {"id": "chatcmpl-test", "object": "chat.completion",
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "a test picture"}}]}
 # (out_hidden_size, DeepStack layers) of the tiny presets.
@@ -52,28 +60,24 @@ def vllm():
 @pytest.fixture(scope="module", params=list(DIMS))
 def server(request, tmp_path_factory):
     store = tmp_path_factory.mktemp("ec")
-    with ServerThread(settings(model=request.param, ec_shared_storage=str(store))) as srv:
+    with ServerThread(settings(model=request.param, ec_shared_storage=str(store), cache_bytes=64 << 20)) as srv:
         srv.store = store  # type: ignore[attr-defined]
         srv.model = request.param  # type: ignore[attr-defined]
         yield srv
 
 
-def vllm_url(httpd: ThreadingHTTPServer) -> str:
-    return server_url(httpd)
-
-
-def last_chat(httpd: ThreadingHTTPServer) -> dict[str, Any]:
-    path, _, body = httpd.requests[-1]  # type: ignore[attr-defined]
+def last_chat(httpd) -> dict[str, Any]:
+    path, _, body = httpd.requests[-1]
     assert path == "/v1/chat/completions"
     return body
 
 
-def float_reference(srv: ServerThread, dtype: str) -> list[dict[str, Any]]:
-    """The `float` format of the same images: embedding rows and DeepStack rows as numbers."""
-    body = sidecar.encode_request(IMAGES, encoding_format="float", dtype=dtype)
-    body["include_deepstack"] = True
+def float_reference(srv: ServerThread, media: list[bytes]) -> list[dict[str, Any]]:
+    """The `float` format of the same media: embedding rows and DeepStack rows as numbers."""
+    kinds = ["video" if m is VIDEO else "image" for m in media]
+    items = [{"type": kind, kind: base64.b64encode(m).decode()} for kind, m in zip(kinds, media)]
     with srv.client() as c:
-        r = c.post("/encode", json=body)
+        r = c.post("/encode", json={"items": items, "include_deepstack": True})
     assert r.status_code == 200, r.text
     return r.json()["data"]
 
@@ -84,30 +88,21 @@ def joined(entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
                       for m in [entry["embedding"], *entry["deepstack"]]], dim=-1)
 
 
-def check_parts(parts: list[dict[str, Any]], reference: list[dict[str, Any]], model: str,
-                dtype: torch.dtype) -> None:
-    out_hidden, layers = DIMS[model]
-    assert len(parts) == len(reference) == len(IMAGES)
-    for part, ref in zip(parts, reference):
-        assert part["type"] == "image_embeds" and set(part["image_embeds"]) == {"image_embeds", "image_grid_thw"}
-        embeds, grid = sidecar.decode_content_part(part)
-        # vLLM's Qwen2-VL field config: one item's grid, int64, shape [3]; tokens = t*h*w / merge^2.
-        assert grid.dtype == torch.int64 and grid.shape == (3,)
-        assert grid.tolist() == ref["grid_thw"]
-        t, h, w = grid.tolist()
-        assert embeds.dtype == dtype
-        assert embeds.shape == (t * h * w // 4, out_hidden * (1 + layers))
-        assert torch.equal(embeds, joined(ref, dtype))
+def read_ec(path) -> torch.Tensor:
+    with safe_open(str(path), framework="pt") as f:
+        assert list(f.keys()) == [TENSOR_KEY]
+        return f.get_tensor(TENSOR_KEY)
 
 
-def test_example_end_to_end(server, vllm, tmp_path):
-    """`python -m service.handoff.sidecar` as a user runs it: both POSTs, vLLM's answer on stdout."""
+def test_ref_mode_end_to_end(server, vllm, tmp_path):
+    """`python -m service.handoff.sidecar` as a user runs it: vitserve writes the files, vLLM gets
+    metadata-only parts naming them."""
     paths = []
-    for i, data in enumerate(IMAGES):
-        paths.append(tmp_path / f"img{i}.bin")
+    for i, data in enumerate([*IMAGES, VIDEO]):
+        paths.append(tmp_path / f"media{i}.bin")
         paths[-1].write_bytes(data)
-    cmd = [sys.executable, "-m", "service.handoff.sidecar", "--vitserve", server.url, "--vllm", vllm_url(vllm),
-           "--model", "qwen-vl-test", "--prompt", "What is in the pictures?", "--max-tokens", "16", *map(str, paths)]
+    cmd = [sys.executable, "-m", "service.handoff.sidecar", "--vitserve", server.url, "--vllm", server_url(vllm),
+           "--model", "qwen-vl-test", "--prompt", "What is in these?", "--max-tokens", "16", *map(str, paths)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == ANSWER
@@ -115,59 +110,74 @@ def test_example_end_to_end(server, vllm, tmp_path):
     body = last_chat(vllm)
     assert body["model"] == "qwen-vl-test" and body["max_tokens"] == 16
     (message,) = body["messages"]
-    assert message["role"] == "user"
     text, *parts = message["content"]
-    assert text == {"type": "text", "text": "What is in the pictures?"}
-    check_parts(parts, float_reference(server, "bfloat16"), server.model, torch.bfloat16)
-
-
-def test_library_calls(server, vllm):
-    """encode_for_vllm from bytes and paths, with ids as uuids; chat_request; errors carry the status."""
-    parts = sidecar.encode_for_vllm(server.url, IMAGES, ids=["first", "second"], dtype="float32")
-    assert [p["uuid"] for p in parts] == ["first", "second"]
-    check_parts(parts, float_reference(server, "float32"), server.model, torch.float32)
-    body = sidecar.chat_request("m", "hi", parts)
-    assert body == {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]}
-    with pytest.raises(sidecar.SidecarError) as err:
-        sidecar.encode_for_vllm(server.url, [b"not an image"])
-    assert err.value.status == 422 and json.loads(err.value.body)["error"]["index"] == 0
-    with pytest.raises(ValueError):
-        sidecar.encode_for_vllm(server.url, IMAGES, ids=["only-one"])
-
-
-def read_ec(path) -> torch.Tensor:
-    with safe_open(str(path), framework="pt") as f:
-        assert list(f.keys()) == [TENSOR_KEY]
-        return f.get_tensor(TENSOR_KEY)
-
-
-def test_encoder_cache_mode(server, vllm, tmp_path, capsys):
-    """`--ec`: vitserve writes PATH/<id>/encoder_cache.safetensors (`ec_cache`) and vLLM gets the images
-    with uuid = id; the cached tensor equals the `float` format's values and the vllm part's tensor."""
-    paths = []
-    for i, data in enumerate(IMAGES):
-        paths.append(tmp_path / f"img{i}")
-        paths[-1].write_bytes(data)
-    argv = ["--vitserve", server.url, "--vllm", vllm_url(vllm), "--model", "m", "--prompt", "why?", "--ec"]
-    assert sidecar.main([*argv, *map(str, paths)]) == 0
-    assert json.loads(capsys.readouterr().out) == ANSWER
-
-    ids = [sidecar.content_id(d) for d in IMAGES]
-    text, *parts = last_chat(vllm)["messages"][0]["content"]
-    assert text == {"type": "text", "text": "why?"}
-    assert [p["uuid"] for p in parts] == ids
-    for part, data, mime in zip(parts, IMAGES, ["image/jpeg", "image/png"]):
-        assert part["type"] == "image_url"
-        head, payload = part["image_url"]["url"].split(",", 1)
-        assert head == f"data:{mime};base64" and base64.b64decode(payload) == data
-
-    reference = float_reference(server, "float32")  # the served dtype on the CPU
-    vllm_parts = sidecar.encode_for_vllm(server.url, IMAGES, ids=ids, dtype="float32")
+    assert text == {"type": "text", "text": "What is in these?"}
+    reference = float_reference(server, [*IMAGES, VIDEO])
     out_hidden, layers = DIMS[server.model]
-    for item_id, ref, part in zip(ids, reference, vllm_parts):
-        ec = read_ec(server.store / item_id / FILE_NAME)
+    for part, ref in zip(parts, reference):
+        kind = ref["type"]
+        assert part["type"] == f"{kind}_embeds" and part["uuid"].startswith("vit-")
+        assert part[f"{kind}_embeds"][f"{kind}_grid_thw"] == ref["grid_thw"]  # metadata only: no tensor inline
+        assert f"{kind}_embeds" not in part[f"{kind}_embeds"]
+        assert ("timestamps" in part[f"{kind}_embeds"]) == (kind == "video" and server.model == "tiny-qwen3-vl")
+        ec = read_ec(server.store / part["uuid"] / FILE_NAME)
         t, h, w = ref["grid_thw"]
         assert ec.dtype == torch.float32 and ec.shape == (t * h * w // 4, out_hidden * (1 + layers))
         assert torch.equal(ec, joined(ref, torch.float32))
-        assert torch.equal(ec, sidecar.decode_content_part(part)[0])
-    assert set(ids) <= {p.name for p in server.store.iterdir()}
+
+
+def test_embeds_mode(server, vllm):
+    parts = [sidecar.media_part(m) for m in IMAGES]
+    body = sidecar.rewrite_chat(sidecar.chat_request("m", "hi", parts), server.url, mode="embeds", dtype="float32")
+    reference = float_reference(server, IMAGES)
+    out_hidden, layers = DIMS[server.model]
+    for part, ref in zip(body["messages"][0]["content"][1:], reference):
+        embeds, grid = sidecar.decode_content_part(part)
+        assert grid.dtype == torch.int64 and grid.shape == (3,) and grid.tolist() == ref["grid_thw"]
+        t, h, w = grid.tolist()
+        assert embeds.shape == (t * h * w // 4, out_hidden * (1 + layers))
+        assert torch.equal(embeds, joined(ref, torch.float32))
+        assert part["uuid"] == ref["content_id"]
+    assert sidecar.run(server.url, server_url(vllm), "m", "hi", IMAGES, mode="embeds") == ANSWER
+
+
+def test_every_turn_resends_the_images_and_vitserve_answers_from_its_cache(server, vllm):
+    """A chat: each turn's request holds the earlier turns' images again; the rewrite of turn 2 costs vitserve
+    no encoding for them."""
+    first = sidecar.chat_request("m", "What is this?", [sidecar.media_part(IMAGES[0])])
+    before = httpx.get(server.url + "/metrics").text
+    sidecar.rewrite_chat(first, server.url)
+    second = copy_with_turn(first, "And this one?", [sidecar.media_part(IMAGES[1])])
+    rewritten = sidecar.rewrite_chat(second, server.url)
+    after = httpx.get(server.url + "/metrics").text
+    assert counter(after, "vitserve_cache_hits_total") - counter(before, "vitserve_cache_hits_total") >= 1
+    turn1, turn2 = rewritten["messages"][0]["content"][1], rewritten["messages"][2]["content"][1]
+    assert turn1["uuid"] != turn2["uuid"]
+    assert rewritten["messages"][1] == {"role": "assistant", "content": "a test picture"}
+
+
+def copy_with_turn(body: dict[str, Any], text: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    messages = [*body["messages"], {"role": "assistant", "content": "a test picture"},
+                {"role": "user", "content": [{"type": "text", "text": text}, *parts]}]
+    return {**body, "messages": messages}
+
+
+def counter(metrics_text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines() if line.startswith(name))
+
+
+def test_client_errors(server):
+    with pytest.raises(sidecar.SidecarError) as err:
+        sidecar.encode_parts(server.url, [sidecar.media_part(b"not an image")])
+    assert err.value.status == 422 and json.loads(err.value.body)["error"]["index"] == 0
+    body = sidecar.chat_request("m", "hi", [sidecar.media_part(IMAGES[0])])
+    with pytest.raises(sidecar.SidecarError, match="mm_processor_kwargs"):
+        sidecar.rewrite_chat({**body, "mm_processor_kwargs": {"max_pixels": 10000}}, server.url)
+    with pytest.raises(ValueError):
+        sidecar.rewrite_chat(body, server.url, mode="other")
+    named = sidecar.rewrite_chat(sidecar.chat_request("m", "hi", [sidecar.media_part(IMAGES[0], uuid="cat-1")]),
+                                 server.url)
+    assert named["messages"][0]["content"][1]["uuid"] == "cat-1"  # a client's uuid names the file
+    assert (server.store / "cat-1" / FILE_NAME).is_file()
+    plain = {"model": "m", "messages": [{"role": "user", "content": "text only"}]}
+    assert sidecar.rewrite_chat(plain, server.url) == plain

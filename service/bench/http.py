@@ -611,7 +611,8 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
               "warmup_requests": warmup_requests, "engine_single_reps": single_reps, "engine_batch_reps": batch_reps}
     if url is None:
         name = model or default_model()
-        flags = ["--max-batch-tokens", str(max_batch_tokens), *serve_flags]
+        # The encoder-output cache off: the benchmark repeats a few images and measures the engine's path.
+        flags = ["--max-batch-tokens", str(max_batch_tokens), "--cache-bytes", "0", *serve_flags]
         if json_path is not None:
             log_path = json_path.with_name(json_path.stem + ".server.log")
         else:

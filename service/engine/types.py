@@ -122,10 +122,33 @@ class ItemResult:
     num_tokens: int
     meta: dict[str, Any]
     output: OutputRef
-    cached: bool = False  # served from the encoder-output cache
     preprocess_s: float = 0.0
     queue_s: float = 0.0
     gpu_s: float = 0.0
+    # Set by service.handoff: the content id, the uuid vLLM gets (the id, else the content id) and whether
+    # the encoder-output cache (or the shared folder) answered instead of the engine.
+    content_id: str | None = None
+    uuid: str | None = None
+    cached: bool = False
+
+
+@dataclass
+class ItemView:
+    """An item's result as the response encoders read it (in a worker process): the embedding, the
+    DeepStack levels and both side by side (vLLM's layout), in the requested dtype, on the host."""
+
+    index: int
+    modality: str
+    id: str | None
+    grid_thw: tuple[int, int, int]
+    num_patches: int
+    num_tokens: int
+    meta: dict[str, Any]
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+    joined: torch.Tensor
+    content_id: str | None = None
+    uuid: str | None = None
 
 
 # ---- what crosses to a device ------------------------------------------------------------------

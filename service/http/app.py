@@ -25,7 +25,8 @@ from starlette.requests import ClientDisconnect
 from service import shm
 from service.engine.core import Engine
 from service.engine.types import EngineError, ItemResult, NotReady
-from service.handoff.ec_storage import ECSharedStorage
+from service.handoff.ec_storage import StorageError
+from service.handoff.pipeline import Handoff
 from service.http import docs, encoders
 from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large, validation_error
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
@@ -53,7 +54,8 @@ class Service:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
-        self.storage = ECSharedStorage(settings.ec_shared_storage) if settings.ec_shared_storage else None
+        self.handoff = Handoff(settings, engine.names)
+        metrics.attach_cache(self.handoff.stats)
         self.fetcher: UrlFetcher | None = None
         self._api_key = settings.api_key_bytes()
         # Request bodies are parsed off the event loop's turn (a body is megabytes of base64).
@@ -133,6 +135,9 @@ class Service:
             return exc.response()
         except EngineError as exc:
             return from_engine(exc).response()
+        except StorageError as exc:  # the shared encoder-cache folder: full (507) or unwritable (503)
+            kind = "insufficient_storage" if exc.status == 507 else "unavailable"
+            return ApiError(exc.status, kind, exc.message, exc.code, headers={"Retry-After": "5"}).response()
         except (asyncio.TimeoutError, TimeoutError):
             return ApiError(504, "timeout", f"the request took longer than {self.settings.request_timeout_s:g}s "
                                             "(--request-timeout-s)", "timeout").response()
@@ -162,25 +167,24 @@ class Service:
         del body
         await self.resolve_urls(parsed)
         items = [it.media() for it in parsed.items]
-        results = await self.until_gone(request, self.engine.encode(items, owner))
+        model = self.engine.model
+        assert model is not None  # loaded: handle_encode's check_accepting passed
+        results = await self.until_gone(request, self.handoff.encode(
+            items, parsed.output.encoding_format, model, lambda todo: self.engine.encode(todo, owner),
+            self.run_in_pool))
         try:
             return await self.until_gone(request, self.render(request, owner, results, parsed.output))
         finally:
-            self.engine.release(results)  # the workers have read what they needed
+            self.handoff.release(results)  # the workers have read what they needed
 
     async def render(self, request: Request, owner: Owner, results: list[ItemResult], out: Any) -> Response:
         """The response body, encoded by the worker processes (see `responses`)."""
         model = self.engine.model
         assert model is not None
         request_id = "enc-" + uuid.uuid4().hex
-        headers = {"x-request-id": request_id}
+        headers = {"x-request-id": request_id, "x-vitserve-cache-hits": str(sum(r.cached for r in results))}
         workers, names = self.engine.workers, self.engine.names
         shared = [_result_fields(r) for r in results]
-        if self.storage is not None:
-            root = str(self.storage.root)
-            await asyncio.gather(*(workers.call(owner, "service.workers.jobs:write_encoder_cache", root, r.id,
-                                                fields["output"], self.settings.model_name, list(r.grid_thw))
-                                   for r, fields in zip(results, shared) if r.id is not None))
         if encoders.SAFETENSORS_MEDIA_TYPE in request.headers.get("accept", ""):
             name = names.next("resp")
             header = dict(request_id=request_id, model=self.settings.model_name, dtype=out.dtype,
@@ -192,7 +196,8 @@ class Service:
         try:
             lengths = await asyncio.gather(*(
                 workers.call(owner, "service.workers.jobs:encode_item", fields, out.encoding_format, out.dtype,
-                             out.include_deepstack, model.out_hidden_size, name)
+                             out.include_deepstack, model.out_hidden_size, self.engine.family,
+                             model.processor.temporal_patch_size, name)
                 for fields, name in zip(shared, targets)))
         except BaseException:
             for name in targets:
@@ -243,8 +248,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (422, "invalid request or item (the error names the item index)"),
         (429, "over --max-queued-tokens or --max-concurrent-requests; see Retry-After"),
         (500, "internal error; error_id is logged with the traceback"),
-        (503, "starting or shutting down, or the engine running the request exited (engine_failed)"),
+        (503, "starting or shutting down, the engine running the request exited (engine_failed), or the "
+              "--ec-shared-storage folder cannot be written (storage_unavailable)"),
         (504, "over --request-timeout-s"),
+        (507, "the --ec-shared-storage folder, or /dev/shm, is full (insufficient_storage); nothing was written"),
     ]
 }
 
@@ -257,8 +264,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if service.storage is not None:
-            service.storage.check()
+        service.handoff.start()
         if start_engine and engine.state == "starting":
             engine.start()
         try:
@@ -290,8 +296,10 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
     async def encode(request: Request) -> Response:
         t0 = time.perf_counter()
         response = await service.respond(request)
+        elapsed = time.perf_counter() - t0
         metrics.requests.labels(str(response.status_code)).inc()
-        metrics.request_seconds.observe(time.perf_counter() - t0)
+        metrics.request_seconds.observe(elapsed)
+        response.headers["server-timing"] = f"encode;dur={elapsed * 1000:.3f}"  # what the server spent on it
         return response
 
     @app.get("/health", summary="Liveness")
@@ -321,7 +329,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             service.check_auth(request)
         except ApiError as exc:
             return exc.response()
-        return JSONResponse({"version": VERSION, **engine.info(), "settings": settings.public_dict()})
+        return JSONResponse({"version": VERSION, **engine.info(), "cache": service.handoff.info(),
+                             "settings": settings.public_dict()})
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -364,4 +373,5 @@ REQUEST_BODY: dict[str, Any] = {
 def _result_fields(r: ItemResult) -> dict[str, Any]:
     """What a worker needs of a result to encode it (picklable, no tensors)."""
     return {"index": r.index, "modality": r.modality, "id": r.id, "grid_thw": list(r.grid_thw),
-            "num_patches": r.num_patches, "num_tokens": r.num_tokens, "meta": r.meta, "output": r.output}
+            "num_patches": r.num_patches, "num_tokens": r.num_tokens, "meta": r.meta, "output": r.output,
+            "content_id": r.content_id, "uuid": r.uuid}

@@ -2,20 +2,13 @@
 
 These run in the worker pool, never on the event loop: serialising megabytes of floats is CPU work.
 
-vLLM layout (`encoding_format: "vllm"`), for a vLLM server started with `--enable-mm-embeds`:
-`{"type": "image_embeds", "image_embeds": {"image_embeds": <b64>, "image_grid_thw": <b64>}}` where
-each value is base64 of `torch.save(tensor)` (what `vllm.utils.serial_utils.tensor2base64` makes).
-`image_embeds` is [tokens, hidden], with Qwen3-VL's DeepStack layers concatenated after the main
-embedding along hidden (vLLM splits them back by the model's hidden size). `image_grid_thw` is ONE
-item's grid as an int64 tensor of shape [3]: vLLM's Qwen2-VL field config declares
-`image_grid_thw` a batched field, and its chat parser stacks the per-part grids into [n, 3] (and
-concatenates the per-part embeddings, a flat field). Videos use `video_embeds` / `video_grid_thw`
-the same way. The content part carries `uuid` = the item's id when it has one.
+The vLLM formats (`vllm`: embeddings inline; `vllm_ref`: a reference to the shared encoder-cache folder)
+put a chat content part in each entry instead of the embedding; `service.handoff.vllm` builds them and
+says what vLLM's code requires of them.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import uuid
@@ -26,7 +19,9 @@ import pybase64  # SIMD base64: an image's embedding is megabytes
 import torch
 from safetensors.torch import save
 
-from service.engine.types import ItemResult
+from service.engine.types import ItemView
+from service.handoff import vllm
+from service.handoff.vllm import torch_b64  # noqa: F401 - part of this module's interface
 
 SAFETENSORS_MEDIA_TYPE = "application/vnd.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,38 +35,16 @@ def raw_base64(t: torch.Tensor) -> bytes:
     return pybase64.b64encode(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def torch_b64(t: torch.Tensor) -> bytes:
-    """base64 of `torch.save(t)`: the tensor serialisation vLLM's chat API accepts."""
-    buf = io.BytesIO()
-    torch.save(t.detach().contiguous().cpu(), buf)
-    return pybase64.b64encode(buf.getbuffer())
-
-
 def float_rows(t: torch.Tensor) -> list[list[float]]:
     # Values of the requested dtype, exactly representable as float64 JSON numbers.
     return t.detach().cpu().to(torch.float64).tolist()
 
 
-def grid_tensor(r: ItemResult) -> torch.Tensor:
+def grid_tensor(r: ItemView) -> torch.Tensor:
     return torch.tensor(r.grid_thw, dtype=torch.int64)
 
 
-def vllm_content_part(r: ItemResult) -> dict[str, Any]:
-    assert r.joined is not None
-    kind = "image" if r.modality == "image" else "video"
-    part: dict[str, Any] = {
-        "type": f"{kind}_embeds",
-        f"{kind}_embeds": {
-            f"{kind}_embeds": torch_b64(r.joined),
-            f"{kind}_grid_thw": torch_b64(grid_tensor(r)),
-        },
-    }
-    if r.id is not None:
-        part["uuid"] = r.id
-    return part
-
-
-def video_fields(r: ItemResult) -> dict[str, Any]:
+def video_fields(r: ItemView) -> dict[str, Any]:
     if r.modality != "video":
         return {}
     out: dict[str, Any] = {}
@@ -89,13 +62,19 @@ def video_fields(r: ItemResult) -> dict[str, Any]:
     return out
 
 
-def item_entry(r: ItemResult, fmt: str, dtype: str, include_deepstack: bool) -> dict[str, Any]:
+def item_entry(r: ItemView, fmt: str, dtype: str, include_deepstack: bool, family: str = "",
+               temporal_patch_size: int = 2) -> dict[str, Any]:
     entry: dict[str, Any] = {"index": r.index, "type": r.modality}
     if r.id is not None:
         entry["id"] = r.id
+    if r.content_id is not None:
+        entry["content_id"] = r.content_id
     entry.update(grid_thw=list(r.grid_thw), num_tokens=r.num_tokens, shape=list(r.embeds.shape), dtype=dtype)
-    if fmt == "vllm":
-        entry["content_part"] = vllm_content_part(r)
+    if fmt in vllm.VLLM_FORMATS:
+        entry["content_part"] = vllm.content_part(r, fmt, family, temporal_patch_size)
+        notes = vllm.warnings(r, family)
+        if notes:
+            entry["warnings"] = notes
     else:
         encode = float_rows if fmt == "float" else raw_base64
         entry["embedding"] = encode(r.embeds)
@@ -105,7 +84,7 @@ def item_entry(r: ItemResult, fmt: str, dtype: str, include_deepstack: bool) -> 
     return entry
 
 
-def usage(results: Sequence[ItemResult]) -> dict[str, int]:
+def usage(results: Sequence[Any]) -> dict[str, int]:
     return {
         "images": sum(r.modality == "image" for r in results),
         "videos": sum(r.modality == "video" for r in results),
@@ -114,12 +93,12 @@ def usage(results: Sequence[ItemResult]) -> dict[str, int]:
     }
 
 
-def json_body(results: Sequence[ItemResult], *, request_id: str, model: str, fmt: str, dtype: str,
-              include_deepstack: bool) -> bytes:
+def json_body(results: Sequence[ItemView], *, request_id: str, model: str, fmt: str, dtype: str,
+              include_deepstack: bool, family: str = "", temporal_patch_size: int = 2) -> bytes:
     body = {
         "id": request_id,
         "model": model,
-        "data": [item_entry(r, fmt, dtype, include_deepstack) for r in results],
+        "data": [item_entry(r, fmt, dtype, include_deepstack, family, temporal_patch_size) for r in results],
         "usage": usage(results),
     }
     return dumps_spliced(body)
@@ -152,7 +131,7 @@ def dumps_spliced(body: Any) -> bytes:
     return b"".join(out)
 
 
-def safetensors_body(results: Sequence[ItemResult], *, request_id: str, model: str, dtype: str,
+def safetensors_body(results: Sequence[ItemView], *, request_id: str, model: str, dtype: str,
                      include_deepstack: bool, family: str = "") -> bytes:
     """`embeds.<i>` [tokens, D], `grid_thw.<i>` [1, 3] int64, `deepstack.<i>.<j>`; metadata names the
     model and describes the inputs (JSON in the `inputs` entry)."""

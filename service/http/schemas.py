@@ -26,11 +26,12 @@ def _check_id(value: str) -> str:
 ItemId = Annotated[
     str,
     Field(pattern=ID_PATTERN, max_length=200,
-          description="Client-chosen id, echoed back; with --ec-shared-storage also the cache folder's name "
-                      "(letters, digits, _ . -; no leading '.', no '..')"),
+          description="Client-chosen id, echoed back; also the uuid of vLLM content parts and the "
+                      "--ec-shared-storage folder's name (letters, digits, _ . -; no leading '.', no '..'). "
+                      "Without it both use the item's content id"),
     AfterValidator(_check_id),
 ]
-EncodingFormat = Literal["float", "base64", "vllm"]
+EncodingFormat = Literal["float", "base64", "vllm", "vllm_ref"]
 OutDtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -93,7 +94,9 @@ Item = Annotated[ImageItem | VideoItem, Field(discriminator="type")]
 class OutputOptions(_Strict):
     encoding_format: EncodingFormat = Field(
         "float", description="float: nested lists; base64: raw little-endian row-major bytes; "
-                             "vllm: a chat content part for a vLLM server started with --enable-mm-embeds")
+                             "vllm: a chat content part with the embeddings, for a vLLM server started with "
+                             "--enable-mm-embeds; vllm_ref: a metadata-only content part whose tensor waits in "
+                             "--ec-shared-storage, for a vLLM encoder-cache consumer (docs/sidecar.md)")
     dtype: OutDtype = Field("float32", description="dtype of the returned tensors")
     include_deepstack: bool = Field(False, description="also return Qwen3-VL's DeepStack features")
 
@@ -128,7 +131,10 @@ class EncodedItem(BaseModel):
     dtype: OutDtype
     embedding: Tensor2D | None = Field(None, description="float or base64 formats")
     deepstack: list[Tensor2D] | None = Field(None, description="with include_deepstack, one per DeepStack layer")
-    content_part: dict[str, Any] | None = Field(None, description="vllm format: a chat content part")
+    content_id: str | None = Field(None, description="hash of the model's identity, the options and the media: "
+                                                     "the key of the encoder-output cache")
+    content_part: dict[str, Any] | None = Field(None, description="vllm and vllm_ref formats: a chat content part")
+    warnings: list[str] | None = Field(None, description="vllm formats: what vLLM will not see as computed here")
     timestamps: list[float] | None = Field(None, description="videos: seconds of each temporal token group")
     second_per_grid_ts: float | list[float] | None = None
     fps: float | None = None

@@ -21,7 +21,7 @@ import torch
 
 from models.config import ProcessorConfig, VisualInput
 from service import shm
-from service.engine.types import OutputRef
+from service.engine.types import ItemView, OutputRef
 from service.media.limits import MediaLimits
 
 torch.set_num_threads(1)  # a worker is one core's worth of work; the pool spreads them
@@ -73,23 +73,6 @@ def prepare_media(ctx: Any, source: str, length: int, modality: str, cfg: Proces
 
 
 # ---- responses --------------------------------------------------------------------------------
-@dataclass
-class ItemView:
-    """An item's result as the response encoders read it: the embedding, the DeepStack levels and
-    both side by side (vLLM's layout), in the requested dtype; plus what the request said of it."""
-
-    index: int
-    modality: str
-    id: str | None
-    grid_thw: tuple[int, int, int]
-    num_patches: int
-    num_tokens: int
-    meta: dict[str, Any]
-    embeds: torch.Tensor
-    deepstack: list[torch.Tensor]
-    joined: torch.Tensor
-
-
 def load_rows(ref: OutputRef) -> torch.Tensor:
     """The joined rows [tokens, width] in the served dtype (a copy: the segment may go right after)."""
     dtype = getattr(torch, ref.dtype)
@@ -108,16 +91,17 @@ def view(result: dict[str, Any], hidden: int, dtype: torch.dtype) -> ItemView:
     levels = [rows[:, j:j + hidden] for j in range(0, rows.shape[1], hidden)]
     return ItemView(result["index"], result["modality"], result["id"], tuple(result["grid_thw"]),  # type: ignore[arg-type]
                     result["num_patches"], result["num_tokens"], result["meta"], levels[0].contiguous(),
-                    [lv.contiguous() for lv in levels[1:]], rows)
+                    [lv.contiguous() for lv in levels[1:]], rows, result.get("content_id"), result.get("uuid"))
 
 
 def encode_item(ctx: Any, result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int,
-                out: str) -> int:
+                family: str, temporal_patch_size: int, out: str) -> int:
     """One item's JSON entry into segment `out`; returns its length in bytes."""
     from service.http import encoders
 
     item = view(result, hidden, encoders.DTYPES[dtype])
-    body = encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack))
+    body = encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
+                                                      temporal_patch_size))
     _write(out, body)
     return len(body)
 
@@ -131,15 +115,6 @@ def encode_safetensors(ctx: Any, results: list[dict[str, Any]], header: dict[str
     body = encoders.safetensors_body(items, **header)
     _write(out, body)
     return len(body)
-
-
-def write_encoder_cache(ctx: Any, root: str, item_id: str, ref: OutputRef, model: str, grid_thw: list[int]) -> None:
-    """An item's joined rows into the shared encoder-cache folder (vLLM's layout; atomic)."""
-    import json
-
-    from service.handoff.ec_storage import ECSharedStorage
-
-    ECSharedStorage(root).write(item_id, load_rows(ref), {"model": model, "grid_thw": json.dumps(grid_thw)})
 
 
 def _write(name: str, body: bytes) -> None:

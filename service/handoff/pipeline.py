@@ -1,0 +1,249 @@
+"""The hand-off around the engine: content ids, the encoder-output cache and the shared encoder-cache folder.
+
+For each request the HTTP layer hands its items here instead of straight to the engine:
+
+1. every item gets a content id (`content_id.py`) from its bytes, its options and the served model's
+   identity, before anything is decoded;
+2. an item whose id is in the cache (`cache.py`), or whose file in the shared folder is valid (this model,
+   this content, the right grid, shape and dtype in its metadata), is answered from there: no decoding, no
+   preprocessing, no GPU. Items repeated within one request run once;
+3. the rest go to the engine; their outputs are cached;
+4. with `--ec-shared-storage`, each item that needs a file there gets one before the response is sent
+   (`vllm_ref`: every item; other formats: items with an `id`), unless a valid one is there already.
+
+The uuid vLLM gets is the item's `id` when it has one, else its content id. Results point at shared-memory
+segments; `release` hands them back (to the cache, or unlinked) once the response is encoded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from service import shm
+from service.engine.types import ItemResult, MediaItem, ModelInfo, OutputRef, RequestRejected
+from service.handoff.cache import CachedOutput, EncoderCache
+from service.handoff.content_id import checkpoint_fingerprint, content_id, model_identity
+from service.handoff.ec_storage import SAFETENSORS_DTYPES, ECSharedStorage, StoredHeader
+from service.handoff.vllm import VLLM_FORMATS
+from service.settings import ServeSettings
+from service.version import VERSION
+
+log = logging.getLogger("vitserve.handoff")
+Run = Callable[[list[MediaItem]], Awaitable[list[ItemResult]]]
+InPool = Callable[..., Awaitable[Any]]
+# The response fields of a video's meta, and what vLLM's parts are built from: all a stored file keeps.
+STORED_META = ("timestamps", "second_per_grid_ts", "fps", "frame_indices", "video_fps")
+
+
+class Handoff:
+    def __init__(self, settings: ServeSettings, names: shm.SegmentNames) -> None:
+        self.settings = settings
+        self.names = names  # for the segments of outputs read back from the shared folder
+        self.cache = EncoderCache(settings.cache_bytes)
+        self.storage = (ECSharedStorage(settings.ec_shared_storage, settings.ec_max_bytes)
+                        if settings.ec_shared_storage else None)
+        self._identity: tuple[int, str] | None = None  # (id of the ModelInfo it was made for, identity)
+        self.hits = {"memory": 0, "storage": 0}
+        self.misses = 0
+
+    def start(self) -> None:
+        if self.storage is not None:
+            self.storage.check()
+
+    # ---- identity ----------------------------------------------------------------------------
+    def identity_parts(self, model: ModelInfo) -> dict[str, Any]:
+        """Everything about the served model that changes an output: checkpoint, dtype, device kind, the
+        preprocessing defaults, and this server's version (its preprocessing and towers)."""
+        return {
+            "vitserve": VERSION,
+            "checkpoint": checkpoint_fingerprint(self.settings.model),
+            "family": model.family,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": model.device.split(":")[0],
+            "out_hidden_size": model.out_hidden_size,
+            "deepstack_layers": model.num_deepstack,
+            "processor": repr(model.processor),
+        }
+
+    def identity(self, model: ModelInfo) -> str:
+        if self._identity is None or self._identity[0] != id(model):
+            self._identity = (id(model), model_identity(self.identity_parts(model)))
+        return self._identity[1]
+
+    def active(self, fmt: str) -> bool:
+        """Content ids are worth computing: something keys on them."""
+        return self.cache.enabled or self.storage is not None or fmt in VLLM_FORMATS
+
+    # ---- the request path --------------------------------------------------------------------
+    async def encode(self, items: Sequence[MediaItem], fmt: str, model: ModelInfo, run: Run,
+                     in_pool: InPool) -> list[ItemResult]:
+        """Results in item order; `run` sends items to the engine, `in_pool` runs blocking work off the loop."""
+        if fmt == "vllm_ref" and self.storage is None:
+            raise RequestRejected("encoding_format vllm_ref writes each item to the shared encoder-cache folder, "
+                                  "and this server runs without --ec-shared-storage", "storage_not_configured")
+        if not self.active(fmt):
+            return await run(list(items))
+        identity = self.identity(model)
+        cids: list[str] = await in_pool(_content_ids, items, identity)
+        uuids = [it.id or cid for it, cid in zip(items, cids)]
+        n = len(items)
+        entries: dict[str, CachedOutput] = {}
+        source: list[str | None] = [None] * n  # memory | storage | request (a repeat), None: the engine ran it
+        leaders: dict[str, int] = {}
+        for i, cid in enumerate(cids):
+            if cid in leaders:
+                source[i] = "request"
+                continue
+            leaders[cid] = i
+            entry = self.cache.get(cid) if self.cache.enabled else None
+            if entry is not None:
+                entries[cid] = entry
+                source[i] = "memory"
+        stored: set[str] = set()  # uuids whose file is known valid
+        results: list[ItemResult | None] = [None] * n
+        try:
+            if self.storage is not None:
+                look = [(i, uuids[i], cids[i]) for i in leaders.values() if cids[i] not in entries]
+                found = await in_pool(self._from_storage, look, identity, model) if look else []
+                for i, entry in found:
+                    entries[cids[i]] = self._keep(cids[i], entry)
+                    source[i] = "storage"
+                    stored.add(uuids[i])
+            misses = [i for i in leaders.values() if cids[i] not in entries]
+            if misses:
+                for i, r in zip(misses, await run([items[i] for i in misses])):
+                    results[i] = r
+                    entries[cids[i]] = self._keep(cids[i], CachedOutput(r.modality, r.grid_thw, r.num_patches,
+                                                                         r.num_tokens, r.meta, r.output))
+            for i in range(n):
+                if results[i] is None:
+                    entry = entries[cids[i]]
+                    if source[i] == "request" and self.cache.owns(entry.output.segment):
+                        self.cache.pin(entry.output.segment)  # every result holds its own pin
+                    results[i] = ItemResult(i, entry.modality, items[i].id, entry.grid_thw,  # type: ignore[arg-type]
+                                            entry.num_patches, entry.num_tokens, dict(entry.meta), entry.output)
+                results[i].index = items[i].index  # type: ignore[union-attr]
+            for i, r in enumerate(results):
+                assert r is not None
+                r.content_id, r.uuid, r.cached = cids[i], uuids[i], source[i] is not None
+            self.misses += len(misses)
+            for s in source:
+                if s is not None:
+                    self.hits["storage" if s == "storage" else "memory"] += 1
+            if self.storage is not None:
+                todo: dict[str, tuple[str, CachedOutput]] = {}
+                for i, it in enumerate(items):
+                    if (fmt == "vllm_ref" or it.id is not None) and uuids[i] not in stored:
+                        todo.setdefault(uuids[i], (cids[i], entries[cids[i]]))
+                if todo:
+                    await in_pool(self._store, todo, identity, model)
+        except BaseException:
+            self.release([r for r in results if r is not None])
+            raise
+        return results  # type: ignore[return-value]
+
+    def _keep(self, cid: str, entry: CachedOutput) -> CachedOutput:
+        """Into the cache when it takes it (the segment is then the cache's, pinned for this response)."""
+        if self.cache.enabled:
+            self.cache.put(cid, entry)
+        return entry
+
+    def release(self, results: Sequence[ItemResult]) -> None:
+        """The response is encoded: cached segments are unpinned, the others unlinked."""
+        for r in results:
+            segment = r.output.segment
+            if self.cache.owns(segment):
+                self.cache.unpin(segment)
+            else:
+                shm.unlink(segment)
+
+    # ---- the shared folder (the server's thread pool) ------------------------------------------
+    def _valid(self, header: StoredHeader | None, cid: str, identity: str, model: ModelInfo) -> bool:
+        """The file holds this content's output from this model, in the served dtype and the right shape."""
+        if header is None:
+            return False
+        md = header.metadata
+        if md.get("content_id") != cid or md.get("model_identity") != identity:
+            return False
+        try:
+            t, h, w = (int(x) for x in json.loads(md["grid_thw"]))
+        except (KeyError, ValueError, TypeError):
+            return False
+        return (header.shape == (t * h * w // model.merge_unit, model.width)
+                and header.dtype == SAFETENSORS_DTYPES.get(model.dtype))
+
+    def _from_storage(self, look: list[tuple[int, str, str]], identity: str,
+                      model: ModelInfo) -> list[tuple[int, CachedOutput]]:
+        """Valid files, each read into a shared-memory segment of its own."""
+        assert self.storage is not None
+        found = []
+        for i, uuid, cid in look:
+            header = self.storage.header(uuid)
+            if not self._valid(header, cid, identity, model):
+                continue
+            assert header is not None
+            md = header.metadata
+            segment = self.names.next("st")
+            try:
+                tensor = self.storage.load(uuid).contiguous()
+                shm.write_array(segment, tensor.view(-1).view(torch.uint8).numpy())
+                ref = OutputRef(segment, int(tensor.shape[0]), int(tensor.shape[1]), model.dtype_name)
+                entry = CachedOutput(md["modality"], tuple(json.loads(md["grid_thw"])),  # type: ignore[arg-type]
+                                     int(md["num_patches"]), int(md["num_tokens"]), json.loads(md["meta"]), ref)
+            except Exception as exc:  # a file replaced or damaged under us: encode instead
+                shm.unlink(segment)
+                log.warning("shared encoder-cache file %s unusable, encoding again: %s", uuid, exc)
+                continue
+            self.storage.touch(uuid)
+            found.append((i, entry))
+        return found
+
+    def _store(self, todo: dict[str, tuple[str, CachedOutput]], identity: str, model: ModelInfo) -> None:
+        from service.workers.jobs import load_rows
+
+        assert self.storage is not None
+        for uuid, (cid, entry) in todo.items():
+            if self._valid(self.storage.header(uuid), cid, identity, model):
+                self.storage.touch(uuid)
+                continue
+            meta = {k: _plain(entry.meta[k]) for k in STORED_META if k in entry.meta}
+            self.storage.write(uuid, load_rows(entry.output), {
+                "producer": f"vitserve {VERSION}",
+                "model": self.settings.model_name,
+                "model_identity": identity,
+                "content_id": cid,
+                "modality": entry.modality,
+                "grid_thw": json.dumps(list(entry.grid_thw)),
+                "num_patches": str(entry.num_patches),
+                "num_tokens": str(entry.num_tokens),
+                "out_hidden_size": str(model.out_hidden_size),
+                "deepstack_layers": str(model.num_deepstack),
+                "meta": json.dumps(meta, separators=(",", ":")),
+            })
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {"hits": dict(self.hits), "misses": self.misses, "memory": self.cache.stats(),
+                "storage": self.storage.stats() if self.storage is not None else None}
+
+    def info(self) -> dict[str, Any]:
+        """/info: the cache's settings and counters."""
+        return {"cache_bytes": self.cache.max_bytes,
+                "ec_shared_storage": str(self.storage.root) if self.storage is not None else None,
+                "ec_max_bytes": self.storage.max_bytes if self.storage is not None else None,
+                **self.stats()}
+
+
+
+def _content_ids(items: Sequence[MediaItem], identity: str) -> list[str]:
+    return [content_id(identity, it.modality, it.options, it.data) for it in items]
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value

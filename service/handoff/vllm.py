@@ -1,0 +1,115 @@
+"""vLLM content parts for one item: the embeddings inline (`encoding_format: "vllm"`), or a reference to the
+shared encoder-cache folder (`"vllm_ref"`).
+
+What vLLM 0.33.0's chat parser and Qwen-VL processors take (tests/test_vllm_handoff.py feeds these parts to
+that code):
+
+- `image_embeds` / `video_embeds` parts, one per item. Tensors travel as base64 of `torch.save` and are
+  loaded with `weights_only=True`; metadata may also be a JSON list of numbers. The grid is ONE item's
+  (t, h, w), shape [3]: the parser stacks the grids of several parts and concatenates their embeddings.
+- Qwen3-VL video parts carry `timestamps`, one float per temporal grid step: the mean time of the frames
+  that step merges (first and last frame of the pair; frame index / source fps), from which the prompt's
+  `<t seconds>` text is built, so they size the placeholder. Qwen2-VL and Qwen2.5-VL parts take no other
+  field (a JSON array for anything but the grid is refused).
+- Qwen2.5-VL's video embeddings reach M-RoPE without `second_per_grid_ts` (vLLM's field factory for
+  embedding inputs has no such field, and the position code falls back to 1.0): exact only when the video
+  was sampled at 2 fps. `warnings` says so for other rates.
+- A reference part (`"vllm_ref"`) holds only the metadata and the `uuid`; an LLM server that consumes the
+  shared-storage encoder cache (`ECExampleConnector`, role `ec_consumer`) accepts it without the tensor
+  and loads `<path>/<uuid>/encoder_cache.safetensors` instead: it never decodes nor resizes the media.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pybase64  # SIMD base64: an image's embedding is megabytes
+import torch
+
+from service.engine.types import ItemView
+
+VLLM_FORMATS = ("vllm", "vllm_ref")
+
+
+def torch_b64(t: torch.Tensor) -> bytes:
+    """base64 of `torch.save(t)`: the tensor serialisation vLLM's chat API accepts."""
+    buf = io.BytesIO()
+    torch.save(t.detach().contiguous().cpu(), buf)
+    return pybase64.b64encode(buf.getbuffer())
+
+
+def takes_timestamps(family: str) -> bool:
+    """Qwen3-VL's video embedding fields require `timestamps` (vLLM's Qwen3VLMultiModalDataParser)."""
+    return family.startswith("qwen3")
+
+
+def grid_timestamps(meta: dict[str, Any], temporal_patch_size: int) -> list[float] | None:
+    """Seconds of each temporal grid step, as vLLM and transformers compute them for Qwen3-VL: the sampled
+    frame indices padded with the last one to a multiple of the temporal patch, divided by the source
+    frame rate, then the mean of the first and last index of each patch."""
+    indices = meta.get("frame_indices")
+    fps = meta.get("video_fps")
+    if not indices or not fps:
+        return None
+    indices = [int(i) for i in indices]
+    indices += [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [i / float(fps) for i in indices]
+    return [(times[k] + times[k + temporal_patch_size - 1]) / 2 for k in range(0, len(times), temporal_patch_size)]
+
+
+def part_uuid(r: ItemView) -> str | None:
+    return r.uuid or r.id
+
+
+def _timestamps(r: ItemView, family: str, temporal_patch_size: int) -> dict[str, list[float]]:
+    if r.modality != "video" or not takes_timestamps(family):
+        return {}
+    stamps = grid_timestamps(r.meta, temporal_patch_size)
+    if stamps is None or len(stamps) != r.grid_thw[0]:
+        raise ValueError(f"item {r.index}: no timestamps for each of its {r.grid_thw[0]} temporal steps")
+    return {"timestamps": stamps}
+
+
+def embeds_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[str, Any]:
+    """`encoding_format: "vllm"`: the joined embedding [tokens, hidden * (1 + DeepStack layers)] inline."""
+    assert r.joined is not None
+    kind = r.modality
+    payload: dict[str, Any] = {
+        f"{kind}_embeds": torch_b64(r.joined),
+        f"{kind}_grid_thw": torch_b64(torch.tensor(r.grid_thw, dtype=torch.int64)),
+        **_timestamps(r, family, temporal_patch_size),
+    }
+    part: dict[str, Any] = {"type": f"{kind}_embeds", f"{kind}_embeds": payload}
+    uuid = part_uuid(r)
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def ref_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[str, Any]:
+    """`encoding_format: "vllm_ref"`: metadata only; the tensor waits in the shared folder under `uuid`."""
+    kind = r.modality
+    uuid = part_uuid(r)
+    assert uuid is not None, "a reference part needs the uuid its file is named by"
+    payload: dict[str, Any] = {f"{kind}_grid_thw": list(r.grid_thw), **_timestamps(r, family, temporal_patch_size)}
+    return {"type": f"{kind}_embeds", f"{kind}_embeds": payload, "uuid": uuid}
+
+
+def content_part(r: ItemView, fmt: str, family: str, temporal_patch_size: int = 2) -> dict[str, Any]:
+    if fmt == "vllm_ref":
+        return ref_part(r, family, temporal_patch_size)
+    return embeds_part(r, family, temporal_patch_size)
+
+
+def warnings(r: ItemView, family: str) -> list[str]:
+    """What vLLM will not see as this server computed it."""
+    if r.modality != "video" or family != "qwen2_5_vl":
+        return []
+    seconds = r.meta.get("second_per_grid_ts")
+    if seconds is None or abs(float(seconds) - 1.0) < 1e-6:
+        return []
+    return [f"vLLM drops second_per_grid_ts for video embeddings and uses 1.0 in Qwen2.5-VL's M-RoPE; this video "
+            f"has {float(seconds):g} s per temporal step (sampled at {float(r.meta.get('fps') or 0):g} fps), so "
+            "its temporal positions there are off by that factor: sample at 2 fps for exact positions"]
+
