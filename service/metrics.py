@@ -165,6 +165,9 @@ class Metrics:
         self.preprocess_seconds = Histogram("vitserve_preprocess_duration_seconds",
                                             "Decoding and preprocessing time of one item",
                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.render_seconds = Histogram("vitserve_render_duration_seconds",
+                                        "Time to encode one response's body in the worker processes",
+                                        buckets=LATENCY_BUCKETS, registry=r)
         self.gpu_seconds = Histogram("vitserve_gpu_duration_seconds",
                                      "Time of one batch on the device, results copied to the host",
                                      buckets=LATENCY_BUCKETS, registry=r)

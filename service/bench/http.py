@@ -329,6 +329,7 @@ STAGES = {
     "preprocess": "vitserve_preprocess_duration_seconds",
     "queue": "vitserve_queue_duration_seconds",
     "gpu_per_batch": "vitserve_gpu_duration_seconds",
+    "render": "vitserve_render_duration_seconds",
     "items_per_batch": "vitserve_batch_items",
 }
 

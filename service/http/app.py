@@ -173,7 +173,10 @@ class Service:
             items, parsed.output.encoding_format, model, lambda todo: self.engine.encode(todo, owner),
             self.run_in_pool))
         try:
-            return await self.until_gone(request, self.render(request, owner, results, parsed.output))
+            started = time.perf_counter()
+            response = await self.until_gone(request, self.render(request, owner, results, parsed.output))
+            self.metrics.render_seconds.observe(time.perf_counter() - started)
+            return response
         finally:
             self.handoff.release(results)  # the workers have read what they needed
 
