@@ -178,6 +178,10 @@ class GraphPool:
         with torch.cuda.stream(stream), torch.inference_mode():
             self._forward_into_outputs(inputs, cap)  # warm-up: lazy init and autotuning outside capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        # The warm-up's activations, cached on its stream, would otherwise stay reserved beside the memory
+        # the capture takes for the same activations: twice the peak under a --gpu-memory cap.
+        stream.synchronize()
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._mempool):
             output = self._forward_into_outputs(inputs, cap)

@@ -36,6 +36,13 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     log.info("loaded %s (%s) on %s in %.1fs; %s", s.model, tower.family, device, time.perf_counter() - t0,
              runner.capture_plan())
     runner.capture()
+    if s.gpu_memory is not None and device.type == "cuda":
+        from service.engine.memory import MemoryBudgetError
+
+        short = sorted(str(k) for k, why in runner.pool.failed.items() if "out of memory" in why.lower())
+        if short:  # serving those keys eagerly would run out of the same memory: refuse instead
+            raise MemoryBudgetError(f"--gpu-memory {s.gpu_memory}: {len(short)} graph(s) did not fit when captured "
+                                    f"({', '.join(short[:3])}...); lower --max-batch-tokens or raise --gpu-memory")
     return runner
 
 
