@@ -6,8 +6,8 @@ memory returned by killing its process, and a crash in a decoder takes down one 
 Processes also spread the work over the host's cores, which threads under one GIL cannot.
 
 - Fairness: jobs queue per owner (one request). A free worker takes the next job of the waiting owner
-  with the fewest jobs running, so one request's many items cannot hold every worker while another
-  request waits.
+  with the fewest jobs running, and among those of the one served least recently, so one request's many
+  items cannot hold every worker while another request waits.
 - Cancellation: cancelling an owner (its deadline passed, its client left) drops its queued jobs and
   kills the workers running its jobs; a caller whose `call` is cancelled abandons that job the same way.
   A killed worker is replaced at once (forked from a preloaded server process: milliseconds).
@@ -67,6 +67,7 @@ class Owner:
     name: str = ""
     running: int = 0
     cancelled: bool = False
+    last_turn: int = -1  # when a worker last took one of its jobs (the pool's dispatch count)
 
 
 @dataclass(eq=False)
@@ -105,6 +106,7 @@ class WorkerPool:
         self._waiting: dict[Owner, deque[_Job]] = {}
         self._ids = itertools.count()
         self._indexes = itertools.count()
+        self._turns = itertools.count()
         self._stopping = False
         self._watch_handle: asyncio.TimerHandle | None = None
         self.counters = {"jobs": 0, "killed_cancelled": 0, "killed_memory": 0, "crashed": 0, "restarts": 0}
@@ -200,7 +202,8 @@ class WorkerPool:
     # ---- scheduling ---------------------------------------------------------------------------
     def _dispatch(self) -> None:
         while self._idle and self._waiting:
-            owner = min(self._waiting, key=lambda o: o.running)  # ties: the longest waiting (dict order)
+            # Fewest jobs running first; among equals, the one served least recently (turns).
+            owner = min(self._waiting, key=lambda o: (o.running, o.last_turn))
             queue = self._waiting[owner]
             job = queue.popleft()
             if not queue:
@@ -215,6 +218,7 @@ class WorkerPool:
                 continue
             worker.job, job.worker = job, worker
             owner.running += 1
+            owner.last_turn = next(self._turns)
 
     def _finish(self, worker: _Worker) -> _Job | None:
         job = worker.job

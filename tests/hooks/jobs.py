@@ -1,0 +1,55 @@
+"""Job functions for the worker-pool tests: run in the pool's worker processes by name."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from service.media.errors import MediaError
+
+
+def echo(ctx: Any, value: Any) -> Any:
+    return value
+
+
+def pid(ctx: Any) -> int:
+    return os.getpid()
+
+
+def nap(ctx: Any, seconds: float, value: Any) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+def spin(ctx: Any, seconds: float) -> int:
+    """Burn CPU (the way a runaway decode does) for `seconds`; returns the worker's pid."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    return os.getpid()
+
+
+def hog(ctx: Any, mib: int) -> None:
+    """Take `mib` MiB of resident memory, then hold it."""
+    block = bytearray(mib * 2**20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    time.sleep(60)
+
+
+def crash(ctx: Any) -> None:
+    os._exit(3)
+
+
+def bad_input(ctx: Any) -> None:
+    raise MediaError("the item is broken", "corrupt_image")
+
+
+def bug(ctx: Any) -> None:
+    raise ZeroDivisionError("a bug")
+
+
+def ask(ctx: Any, question: Any) -> Any:
+    return ctx.ask(question)

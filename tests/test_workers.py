@@ -1,0 +1,196 @@
+"""The worker pool that runs media work: results and errors come back, a cancelled or abandoned job's process
+is killed within a second and replaced, a job over the memory bound is killed, a crash costs one worker,
+and owners take turns."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from service.media.errors import MediaError
+from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool, resident_bytes
+
+JOBS = "tests.hooks.jobs"
+
+
+def run(size: int, scenario: Callable[[WorkerPool], Awaitable[Any]], **kwargs: Any) -> Any:
+    async def main() -> Any:
+        pool = WorkerPool(size, **kwargs)
+        pool.start()
+        try:
+            return await scenario(pool)
+        finally:
+            pool.stop()
+
+    return asyncio.run(main())
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie no longer runs
+    except FileNotFoundError:
+        return False
+
+
+async def until(condition: Callable[[], bool], timeout: float) -> float:
+    """Seconds until `condition` held; fails after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+def busy_pid(pool: WorkerPool) -> int:
+    (worker,) = [w for w in pool._workers if w.job is not None]
+    return worker.process.pid
+
+
+def test_results_errors_and_questions() -> None:
+    async def scenario(pool: WorkerPool) -> None:
+        owner = Owner("r")
+        assert await pool.call(owner, f"{JOBS}:echo", {"a": [1, 2]}) == {"a": [1, 2]}
+        with pytest.raises(MediaError) as bad:  # the input's fault: handed back as it is
+            await pool.call(owner, f"{JOBS}:bad_input")
+        assert bad.value.code == "corrupt_image"
+        with pytest.raises(JobFailed) as failed:  # a bug: the traceback comes along for the log
+            await pool.call(owner, f"{JOBS}:bug")
+        assert "ZeroDivisionError" in str(failed.value) and "Traceback" in failed.value.details
+        assert await pool.call(owner, f"{JOBS}:ask", 20, on_ask=lambda q: q + 1) == 21
+
+        def refuse(question: Any) -> Any:
+            raise OverflowError(f"over the queue limit: {question}")
+
+        with pytest.raises(OverflowError):  # the caller's refusal ends the job
+            await pool.call(owner, f"{JOBS}:ask", 5, on_ask=refuse)
+        assert await pool.call(owner, f"{JOBS}:echo", "still serving") == "still serving"
+        assert pool.stats()["restarts"] == 0
+
+    run(2, scenario)
+
+
+def test_cancelling_an_owner_kills_its_running_job_within_a_second() -> None:
+    async def scenario(pool: WorkerPool) -> None:
+        doomed, other = Owner("doomed"), Owner("other")
+        task = asyncio.ensure_future(pool.call(doomed, f"{JOBS}:spin", 60))
+        queued = asyncio.ensure_future(pool.call(doomed, f"{JOBS}:spin", 60))
+        await until(lambda: pool.stats()["busy"] == 2, 10)
+        pids = [w.process.pid for w in pool._workers]
+        pool.cancel(doomed)
+        for t in (task, queued):
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert await until(lambda: not any(alive(p) for p in pids), 1.0) < 1.0
+        await until(lambda: pool.stats()["workers"] == 2, 5)
+        assert pool.stats()["killed_cancelled"] == 2
+        assert await pool.call(other, f"{JOBS}:echo", 1) == 1  # the replacements serve
+        with pytest.raises(asyncio.CancelledError):  # a cancelled owner starts nothing new
+            await pool.call(doomed, f"{JOBS}:echo", 1)
+
+    run(2, scenario)
+
+
+def test_a_caller_that_gives_up_abandons_the_job_and_its_process() -> None:
+    async def scenario(pool: WorkerPool) -> None:
+        owner = Owner("r")
+        call = pool.call(owner, f"{JOBS}:spin", 60)
+        task = asyncio.ensure_future(call)
+        await until(lambda: pool.stats()["busy"] == 1, 10)
+        pid = busy_pid(pool)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(task, 0.2)
+        assert await until(lambda: not alive(pid), 1.0) < 1.0
+        assert pool.stats()["killed_cancelled"] == 1
+        assert await pool.call(owner, f"{JOBS}:echo", 2) == 2
+
+    run(1, scenario)
+
+
+def test_queued_jobs_of_a_cancelled_owner_never_run() -> None:
+    async def scenario(pool: WorkerPool) -> None:
+        first, second = Owner("first"), Owner("second")
+        running = asyncio.ensure_future(pool.call(first, f"{JOBS}:nap", 0.5, "first"))
+        await until(lambda: pool.stats()["busy"] == 1, 10)
+        queued = [asyncio.ensure_future(pool.call(second, f"{JOBS}:spin", 60)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert pool.stats()["queued"] == 3
+        pool.cancel(second)
+        assert await running == "first"  # the other owner's job is untouched
+        for t in queued:
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert pool.stats()["queued"] == 0 and pool.stats()["killed_cancelled"] == 0
+
+    run(1, scenario)
+
+
+def test_a_job_over_the_memory_bound_is_killed_and_named() -> None:
+    async def scenario(pool: WorkerPool) -> None:
+        owner = Owner("r")
+        baseline = resident_bytes(await pool.call(owner, f"{JOBS}:pid"))
+        assert baseline is not None
+        pool.memory_limit = baseline + 100 * 2**20
+        start = time.monotonic()
+        with pytest.raises(WorkerDied) as died:
+            await pool.call(owner, f"{JOBS}:hog", 400)
+        assert died.value.reason == "memory" and "MiB of memory" in str(died.value)
+        assert time.monotonic() - start < 10
+        assert pool.stats()["killed_memory"] == 1
+        assert await pool.call(owner, f"{JOBS}:echo", 3) == 3
+
+    run(1, scenario)
+
+
+def test_a_crash_fails_only_its_job_and_the_worker_is_replaced() -> None:
+    async def scenario(pool: WorkerPool) -> None:
+        owner = Owner("r")
+        survivor = asyncio.ensure_future(pool.call(owner, f"{JOBS}:nap", 0.3, "ok"))
+        with pytest.raises(WorkerDied) as died:
+            await pool.call(owner, f"{JOBS}:crash")
+        assert died.value.reason == "crash"
+        assert await survivor == "ok"
+        await until(lambda: pool.stats()["workers"] == 2, 5)
+        assert pool.stats()["crashed"] == 1
+        assert await pool.call(owner, f"{JOBS}:echo", 4) == 4
+
+    run(2, scenario)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_request_with_many_items_does_not_hold_up_another(size: int) -> None:
+    """Owner A queues eight jobs first, B one job after: B's runs among the next jobs a worker takes."""
+
+    async def scenario(pool: WorkerPool) -> list[str]:
+        a, b = Owner("a"), Owner("b")
+        done: list[str] = []
+
+        async def job(owner: Owner, name: str) -> None:
+            done.append(await pool.call(owner, f"{JOBS}:nap", 0.1, name))
+
+        tasks = [asyncio.ensure_future(job(a, f"a{i}")) for i in range(8)]
+        await until(lambda: pool.stats()["busy"] == size, 10)
+        tasks.append(asyncio.ensure_future(job(b, "b")))
+        await asyncio.gather(*tasks)
+        return done
+
+    done = run(size, scenario)
+    assert done.index("b") <= size, done
+
+
+def test_workers_exit_when_the_pool_stops() -> None:
+    async def scenario(pool: WorkerPool) -> list[int]:
+        return [w.process.pid for w in pool._workers]
+
+    pids = run(2, scenario)
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+    assert os.getpid() not in pids
