@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from tests.videos import make_video
 IMAGE = image_bytes(160, 120, seed=11)
 VIDEO = make_video(6, fps=3, width=64, height=48)
 LIMIT = 256 * 1024
+DRIPS_CLOSED: list[float] = []  # when the server closed a /drip connection
 
 
 class MediaHandler(QuietHandler):
@@ -52,6 +54,17 @@ class MediaHandler(QuietHandler):
         elif self.path == "/slow":
             time.sleep(2.5)
             self.reply(200, IMAGE)
+        elif self.path == "/drip":  # a byte at a time, never finishing: only a deadline ends the fetch
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(IMAGE)))
+            self.end_headers()
+            try:
+                for byte in IMAGE:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except ConnectionError:
+                DRIPS_CLOSED.append(time.monotonic())
         else:
             self.reply(404, b"missing")
 
@@ -94,6 +107,31 @@ def test_url_failures(url_server, media_url, path, code):
         assert r.status_code == 422
         assert (r.json()["error"]["code"], r.json()["error"]["index"]) == (code, 1)
         assert c.post("/encode", json={"items": [{"type": "image", "image": b64(IMAGE)}]}).status_code == 200
+
+
+def test_slow_urls_hold_only_their_own_requests(url_server, media_url):
+    """Four URLs that send a byte every 0.1 s, more than the server has worker threads or processes: each
+    gets its 422 at the fetch deadline (1 s) and its connection closed, while other requests are served."""
+    DRIPS_CLOSED.clear()
+    slow = {"items": [{"type": "image", "image": media_url + "/drip"}]}
+    with url_server.client() as c, ThreadPoolExecutor(4) as pool:
+        started = time.monotonic()
+        drips = [pool.submit(c.post, "/encode", json=slow) for _ in range(4)]
+        time.sleep(0.2)
+        while not all(d.done() for d in drips):
+            t = time.monotonic()
+            assert c.post("/encode", json={"items": [{"type": "image", "image": b64(IMAGE)}]}).status_code == 200
+            assert time.monotonic() - t < 1.0
+        answered = time.monotonic()
+        for d in drips:
+            r = d.result()
+            assert r.status_code == 422 and r.json()["error"]["code"] == "fetch_timeout"
+    assert answered - started < 2.5
+    deadline = time.monotonic() + 2
+    while len(DRIPS_CLOSED) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(DRIPS_CLOSED) == 4  # the fetches stopped: nothing keeps reading from the slow host
+    assert max(DRIPS_CLOSED) - started < 3.0
 
 
 @pytest.mark.parametrize("url", [

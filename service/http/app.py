@@ -105,7 +105,7 @@ class Service:
         if not todo:
             return
         if self.fetcher is None:
-            self.fetcher = UrlFetcher(self.settings, self._parsers)
+            self.fetcher = UrlFetcher(self.settings)
         datas = await asyncio.gather(*(self.fetcher.fetch(it.url, it.index) for it in todo))  # type: ignore[arg-type]
         for it, data in zip(todo, datas):
             if not data:
@@ -165,7 +165,7 @@ class Service:
         body = await self.read_body(request)
         parsed = await self.parse(request, body)
         del body
-        await self.resolve_urls(parsed)
+        await self.until_gone(request, self.resolve_urls(parsed))
         items = [it.media() for it in parsed.items]
         model = self.engine.model
         assert model is not None  # loaded: handle_encode's check_accepting passed
@@ -274,6 +274,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             yield
         finally:
             await service.drain(settings.request_timeout_s)
+            if service.fetcher is not None:
+                await service.fetcher.close()
             engine.stop()
 
     app = FastAPI(title="vitserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
