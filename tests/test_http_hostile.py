@@ -1,0 +1,82 @@
+"""Expensive media over a real server: its work stops at the request's deadline or when its client leaves,
+an item over the memory bound is refused by name, and everyone else is served meanwhile.
+
+The expensive item is a real clip within every default limit: sixteen 4096x4096 frames (about 1 MB), which
+take a worker process about 3 s to decode and resize on the development machine."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from tests.videos import make_video
+
+PLAIN = {"items": [{"type": "image", "image": b64(image_bytes(96, 80, seed=4))}]}
+
+
+@pytest.fixture(scope="module")
+def heavy() -> str:
+    return b64(make_video(16, fps=2, width=4096, height=4096))
+
+
+def workers(c: httpx.Client) -> dict:
+    return c.get("/info").json()["workers"]
+
+
+def wait_for(condition, timeout: float) -> float:
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def served_quickly(c: httpx.Client) -> None:
+    t = time.monotonic()
+    assert c.post("/encode", json=PLAIN).status_code == 200
+    assert time.monotonic() - t < 1.0
+
+
+def test_work_stops_at_the_deadline_and_others_are_served_meanwhile(heavy):
+    with ServerThread(settings(request_timeout_s=1.0)) as srv, srv.client() as c, ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        slow = pool.submit(c.post, "/encode", json={"items": [{"type": "video", "video": heavy}]})
+        wait_for(lambda: workers(c)["busy"] == 1, 5)
+        while not slow.done():  # the other worker serves everyone else
+            served_quickly(c)
+        r = slow.result()
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert time.monotonic() - started < 2.0
+        # Its worker was killed (the CPU time stops) and replaced.
+        assert wait_for(lambda: workers(c)["killed_cancelled"] == 1 and workers(c)["busy"] == 0, 1.0) < 1.0
+        wait_for(lambda: workers(c)["workers"] == 2, 5)
+        served_quickly(c)
+
+
+def test_a_client_that_leaves_stops_its_media_work(heavy):
+    with ServerThread(settings()) as srv, srv.client() as c:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/encode", json={"items": [{"type": "video", "video": heavy}]}, timeout=0.5)
+        left = time.monotonic()
+        wait_for(lambda: workers(c)["killed_cancelled"] == 1 and workers(c)["busy"] == 0, 2.0)
+        assert time.monotonic() - left < 1.5
+        served_quickly(c)
+
+
+def test_an_item_over_the_memory_bound_is_refused_by_name(heavy):
+    """A worker starts at about 300 MiB (torch and the media libraries); the clip needs some 550 MiB."""
+    with ServerThread(settings(worker_max_rss_mib=420)) as srv, srv.client() as c:
+        served_quickly(c)
+        r = c.post("/encode", json={"items": [PLAIN["items"][0], {"type": "video", "video": heavy}]})
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["index"]) == ("too_much_memory", 1)
+        assert "420 MiB" in error["message"]
+        assert workers(c)["killed_memory"] == 1
+        wait_for(lambda: workers(c)["workers"] == 2, 5)
+        served_quickly(c)
