@@ -72,12 +72,11 @@ def input_entry(index: int, path: Path, item, merge: int) -> dict:
     entry = {"index": index, "type": item.modality, "file": path.name, "grid_thw": list(item.grid_thw),
              "num_tokens": item.num_tokens(merge)}
     if item.modality == "video":
+        from service.http.encoders import VIDEO_FIELDS
+
         entry.update({k: item.meta[k] for k in VIDEO_FIELDS if item.meta.get(k) is not None})
     return entry
 
-
-# The per-video fields of the server's responses (docs/api.md), which M-RoPE and vLLM need.
-VIDEO_FIELDS = ("timestamps", "second_per_grid_ts", "fps")
 
 
 def run_encode(args: argparse.Namespace) -> int:

@@ -212,6 +212,7 @@ def test_video_over_http():
         ]})
         multipart = c.post("/encode", files=[("files", ("clip", video, "video/mp4"))],
                            data={"options": json.dumps({"items": [{"fps": 2.0}]})})
+        raised = c.post("/encode", json={"items": [{"type": "video", "video": b64(video), "fps": 0.5}]})
     assert r.status_code == 200, r.text
     entry = r.json()["data"][0]
     visual = preprocess_video_bytes(video, tower.processor, fps=2.0)
@@ -221,6 +222,13 @@ def test_video_over_http():
     assert entry["second_per_grid_ts"] == pytest.approx(visual.meta["second_per_grid_ts"])
     assert entry["fps"] == pytest.approx(visual.meta["fps"])
     close(torch.tensor(entry["embedding"]), want.embeds)
+    assert entry["requested_fps"] == 2.0 and "fps_adjusted_by" not in entry
+    # Half a frame a second over 2 s is one frame: the minimum frame count raises it, and the entry says so.
+    assert raised.status_code == 200, raised.text
+    slow = raised.json()["data"][0]
+    assert slow["requested_fps"] == 0.5 and slow["fps_adjusted_by"] == "min_frames"
+    assert slow["fps"] > 0.5
+    assert slow["fps"] == pytest.approx(preprocess_video_bytes(video, tower.processor, fps=0.5).meta["fps"])
     assert r.json()["usage"]["videos"] == 1 and r.json()["usage"]["images"] == 1
     assert multipart.status_code == 200, multipart.text
     assert multipart.json()["data"][0]["type"] == "video"

@@ -44,11 +44,16 @@ def grid_tensor(r: ItemView) -> torch.Tensor:
     return torch.tensor(r.grid_thw, dtype=torch.int64)
 
 
+# What a video's entry carries besides its embedding (docs/api.md): the times M-RoPE and vLLM need, and
+# the sampling rate used against the one asked for (min_frames may raise it, max_frames lower it).
+VIDEO_FIELDS = ("timestamps", "second_per_grid_ts", "fps", "requested_fps", "fps_adjusted_by")
+
+
 def video_fields(r: ItemView) -> dict[str, Any]:
     if r.modality != "video":
         return {}
     out: dict[str, Any] = {}
-    for key in ("timestamps", "second_per_grid_ts", "fps"):
+    for key in VIDEO_FIELDS:
         value = r.meta.get(key)
         if value is None:
             continue

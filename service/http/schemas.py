@@ -137,7 +137,11 @@ class EncodedItem(BaseModel):
     warnings: list[str] | None = Field(None, description="vllm formats: what vLLM will not see as computed here")
     timestamps: list[float] | None = Field(None, description="videos: seconds of each temporal token group")
     second_per_grid_ts: float | list[float] | None = None
-    fps: float | None = None
+    fps: float | None = Field(None, description="videos: the sampling rate used")
+    requested_fps: float | None = Field(None, description="videos sampled by fps: the rate asked for (or the default)")
+    fps_adjusted_by: str | None = Field(None, description="videos: why `fps` differs from `requested_fps` "
+                                                          "(`min_frames`, `max_frames`, `frame_count`); absent "
+                                                          "when it does not")
 
 
 class Usage(BaseModel):
