@@ -6,6 +6,7 @@ take a worker process about 3 s to decode and resize on the development machine.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +37,53 @@ def wait_for(condition, timeout: float) -> float:
     return time.monotonic() - start
 
 
+def descendants() -> list[int]:
+    """The pids of this process's children, theirs, and so on (the server's fork server and workers)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def usage(pid: int) -> tuple[float, int] | None:
+    """(CPU seconds, resident bytes) of a running process; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks, int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def assert_quiet_and_back_to(baseline_rss: int) -> None:
+    """Nothing of the server's processes keeps working, and their memory is back near where it started."""
+    before = {pid: usage(pid) for pid in descendants()}
+    time.sleep(1.0)
+    for pid, was in before.items():
+        now = usage(pid)
+        if was is not None and now is not None:
+            assert now[0] - was[0] < 0.1, f"process {pid} used {now[0] - was[0]:.2f}s of CPU after the answer"
+    rss = tree_rss()
+    assert rss < baseline_rss + 100 * 2**20, f"{rss / 2**20:.0f} MiB against {baseline_rss / 2**20:.0f} MiB"
+
+
+def tree_rss() -> int:
+    return sum(u[1] for u in map(usage, descendants()) if u is not None)
+
+
 def served_quickly(c: httpx.Client) -> None:
     t = time.monotonic()
     assert c.post("/encode", json=PLAIN).status_code == 200
@@ -44,6 +92,8 @@ def served_quickly(c: httpx.Client) -> None:
 
 def test_work_stops_at_the_deadline_and_others_are_served_meanwhile(heavy):
     with ServerThread(settings(request_timeout_s=1.0)) as srv, srv.client() as c, ThreadPoolExecutor(1) as pool:
+        served_quickly(c)
+        baseline = tree_rss()
         started = time.monotonic()
         slow = pool.submit(c.post, "/encode", json={"items": [{"type": "video", "video": heavy}]})
         wait_for(lambda: workers(c)["busy"] == 1, 5)
@@ -56,22 +106,27 @@ def test_work_stops_at_the_deadline_and_others_are_served_meanwhile(heavy):
         assert wait_for(lambda: workers(c)["killed_cancelled"] == 1 and workers(c)["busy"] == 0, 1.0) < 1.0
         wait_for(lambda: workers(c)["workers"] == 2, 5)
         served_quickly(c)
+        assert_quiet_and_back_to(baseline)
 
 
 def test_a_client_that_leaves_stops_its_media_work(heavy):
     with ServerThread(settings()) as srv, srv.client() as c:
+        served_quickly(c)
+        baseline = tree_rss()
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/encode", json={"items": [{"type": "video", "video": heavy}]}, timeout=0.5)
         left = time.monotonic()
         wait_for(lambda: workers(c)["killed_cancelled"] == 1 and workers(c)["busy"] == 0, 2.0)
         assert time.monotonic() - left < 1.5
         served_quickly(c)
+        assert_quiet_and_back_to(baseline)
 
 
 def test_an_item_over_the_memory_bound_is_refused_by_name(heavy):
     """A worker starts at about 300 MiB (torch and the media libraries); the clip needs some 550 MiB."""
     with ServerThread(settings(worker_max_rss_mib=420)) as srv, srv.client() as c:
         served_quickly(c)
+        baseline = tree_rss()
         r = c.post("/encode", json={"items": [PLAIN["items"][0], {"type": "video", "video": heavy}]})
         assert r.status_code == 413, r.text
         error = r.json()["error"]
@@ -80,3 +135,4 @@ def test_an_item_over_the_memory_bound_is_refused_by_name(heavy):
         assert workers(c)["killed_memory"] == 1
         wait_for(lambda: workers(c)["workers"] == 2, 5)
         served_quickly(c)
+        assert_quiet_and_back_to(baseline)
