@@ -112,13 +112,14 @@ def sweep_stale() -> int:
         if not entry.startswith(PREFIX):
             continue
         pid = entry[len(PREFIX):].split("_", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             unlink(entry)
             removed += 1
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

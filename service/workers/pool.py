@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from service.shm import process_alive
+
 log = logging.getLogger("vitserve.workers")
 
 WATCH_INTERVAL_S = 0.1
@@ -431,16 +433,6 @@ def _resolve(path: str) -> Callable[..., Any]:
 
 def _exit_with_parent(parent: int, front_pid: int) -> None:
     # The front killed outright cannot stop us; its fork server exits with it, which re-parents us.
-    while os.getppid() == parent and _alive(front_pid):
+    while os.getppid() == parent and process_alive(front_pid):
         time.sleep(1.0)
     os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
