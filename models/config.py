@@ -10,7 +10,7 @@ and the graph path normalises exactly like the eager one.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,13 +58,6 @@ class ProcessorConfig:
     @property
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    def with_pixel_bounds(self, min_pixels: int | None, max_pixels: int | None) -> ProcessorConfig:
-        return replace(
-            self,
-            min_pixels=self.min_pixels if min_pixels is None else min_pixels,
-            max_pixels=self.max_pixels if max_pixels is None else max_pixels,
-        )
 
     def normalize(self, patches: np.ndarray) -> np.ndarray:
         """Reference normalisation on the host (the device path does the same in float32)."""

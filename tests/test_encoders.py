@@ -18,6 +18,16 @@ from service.http import encoders
 from service.workers.jobs import ItemView as ItemResult
 
 
+def json_body(results, *, request_id: str, model: str, fmt: str, dtype: str, include_deepstack: bool,
+              family: str = "", temporal_patch_size: int = 2) -> bytes:
+    """A whole response body from its entries, as the server joins them."""
+    return encoders.dumps_spliced({
+        "id": request_id, "model": model,
+        "data": [encoders.item_entry(r, fmt, dtype, include_deepstack, family, temporal_patch_size)
+                 for r in results],
+        "usage": encoders.usage(results)})
+
+
 def result(index=0, modality="image", tokens=6, hidden=8, layers=0, dtype=torch.float32, item_id=None, meta=None):
     gen = torch.Generator().manual_seed(index)
     embeds = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -52,7 +62,7 @@ def test_vllm_content_parts():
     img = result(item_id="im-1", layers=2)
     vid = result(1, modality="video", meta={"frame_indices": [0, 2, 4, 6], "video_fps": 4.0})
     vid.uuid = "vit-abc"
-    body = json.loads(encoders.json_body([img, vid], request_id="x", model="m", fmt="vllm", dtype="float32",
+    body = json.loads(json_body([img, vid], request_id="x", model="m", fmt="vllm", dtype="float32",
                                          include_deepstack=False, family="qwen3_vl"))
     part = body["data"][0]["content_part"]
     assert part["type"] == "image_embeds" and part["uuid"] == "im-1"
@@ -73,7 +83,7 @@ def test_vllm_ref_parts():
                                             "fps": 1.0})
     vid.uuid = "vit-abc"
     for family, stamps in [("qwen3_vl", {"timestamps": [0.5, 2.0]}), ("qwen2_5_vl", {}), ("qwen2_vl", {})]:
-        body = json.loads(encoders.json_body([img, vid], request_id="x", model="m", fmt="vllm_ref", dtype="float32",
+        body = json.loads(json_body([img, vid], request_id="x", model="m", fmt="vllm_ref", dtype="float32",
                                              include_deepstack=False, family=family))
         image, video = body["data"]
         assert image["content_part"] == {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 12]},
@@ -87,7 +97,7 @@ def test_vllm_ref_parts():
 def test_json_body_and_video_fields():
     meta = {"timestamps": np.array([0.0, 1.0]), "second_per_grid_ts": 1.0, "fps": np.float64(2.0), "frames": 4}
     results = [result(0, item_id="a"), result(1, modality="video", meta=meta, layers=1)]
-    body = json.loads(encoders.json_body(results, request_id="enc-x", model="m", fmt="float", dtype="float32",
+    body = json.loads(json_body(results, request_id="enc-x", model="m", fmt="float", dtype="float32",
                                          include_deepstack=True))
     assert body["id"] == "enc-x" and body["model"] == "m"
     img, vid = body["data"]
@@ -99,7 +109,7 @@ def test_json_body_and_video_fields():
     with pytest.raises(ValueError):  # never emit NaN: it is not JSON
         bad = result()
         bad.embeds[0, 0] = float("nan")
-        encoders.json_body([bad], request_id="x", model="m", fmt="float", dtype="float32", include_deepstack=False)
+        json_body([bad], request_id="x", model="m", fmt="float", dtype="float32", include_deepstack=False)
 
 
 def test_safetensors_body():

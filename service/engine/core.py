@@ -59,7 +59,6 @@ class Engine:
         self.state = "starting"  # starting -> ready -> draining -> stopped, or failed
         self.load_error: str | None = None
         self.model: ModelInfo | None = None
-        self.started_at = time.time()
         self.names = shm.SegmentNames()
         self.backends: list[Backend] = make_backends(settings, runner)
         self.workers = WorkerPool(settings.preprocess_workers, memory_limit=settings.worker_max_rss_mib * 2**20)

@@ -98,15 +98,6 @@ def usage(results: Sequence[Any]) -> dict[str, int]:
     }
 
 
-def json_body(results: Sequence[ItemView], *, request_id: str, model: str, fmt: str, dtype: str,
-              include_deepstack: bool, family: str = "", temporal_patch_size: int = 2) -> bytes:
-    body = {
-        "id": request_id,
-        "model": model,
-        "data": [item_entry(r, fmt, dtype, include_deepstack, family, temporal_patch_size) for r in results],
-        "usage": usage(results),
-    }
-    return dumps_spliced(body)
 
 
 def dumps_spliced(body: Any) -> bytes:

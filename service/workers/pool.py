@@ -33,7 +33,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -90,7 +90,6 @@ class _Worker:
     conn: Connection
     job: _Job | None = None
     kill_reason: str | None = None
-    started_at: float = field(default_factory=time.monotonic)
 
 
 class WorkerPool:
