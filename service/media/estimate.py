@@ -135,7 +135,6 @@ def estimate_video(
             total_pixels=total_pixels,
             cap_pixels_per_frame=cap_pixels_per_frame,
         )
-    info, sampling = plan.info, plan.sampling
     return Estimate(
         modality="video",
         grid_thw=plan.grid_thw,
@@ -145,16 +144,5 @@ def estimate_video(
         frames=plan.frames,
         decode_frames=plan.packets,
         decode_pixels=plan.decode_pixels,
-        meta={
-            "fps": sampling.sample_fps,
-            "requested_fps": sampling.requested_fps,
-            "fps_adjusted": sampling.fps_adjusted_by is not None,
-            "fps_adjusted_by": sampling.fps_adjusted_by,
-            "sampled_frames": len(plan.positions),
-            "video_fps": info.fps,
-            "total_frames": info.num_frames,
-            "duration": info.duration,
-            "container": info.container,
-            "codec": info.codec,
-        },
+        meta=plan.meta(),
     )

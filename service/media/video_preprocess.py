@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -576,6 +577,22 @@ class VideoPlan:
         """Distinct frames to decode and convert."""
         return len(np.unique(self.positions))
 
+    def meta(self) -> dict[str, Any]:
+        """What the plan says of the sampling and the stream, as an item's meta reports it."""
+        sampling, info = self.sampling, self.info
+        return {
+            "fps": sampling.sample_fps,
+            "requested_fps": sampling.requested_fps,
+            "fps_adjusted": sampling.fps_adjusted_by is not None,
+            "fps_adjusted_by": sampling.fps_adjusted_by,
+            "sampled_frames": len(self.positions),
+            "video_fps": info.fps,
+            "total_frames": info.num_frames,
+            "duration": info.duration,
+            "container": info.container,
+            "codec": info.codec,
+        }
+
 
 def _check_tokens(tokens: int, max_tokens: int, grid: tuple[int, int, int]) -> None:
     if tokens > max_tokens:
@@ -705,7 +722,6 @@ def preprocess_video_bytes(
     limits = limits or DEFAULT_LIMITS
     tps = cfg.temporal_patch_size
     with VideoReader(data, max_frame_pixels=max_frame_pixels, threads=threads, limits=limits) as reader:
-        info = reader.info
         plan = plan_video(
             reader,
             cfg,
@@ -745,22 +761,13 @@ def preprocess_video_bytes(
         pixels=pixels,
         grid_thw=grid,
         meta={
+            **plan.meta(),
             "timestamps": [round(float(t), 6) for t in timestamps],
-            "fps": sampling.sample_fps,
-            "requested_fps": sampling.requested_fps,
-            "fps_adjusted": sampling.fps_adjusted_by is not None,
-            "fps_adjusted_by": sampling.fps_adjusted_by,
             "second_per_grid_ts": tps / sampling.sample_fps,
             "frames": len(slots),
-            "sampled_frames": len(plan.positions),
             "frame_indices": sampling.indices.tolist(),
             "orig_size": writer.orig_size,
             "resized": (h, w),
-            "video_fps": info.fps,
-            "total_frames": info.num_frames,
-            "duration": info.duration,
-            "container": info.container,
-            "codec": info.codec,
             "decoded_frames": work["packets_decoded"],
             "decoded_pixels": work["decoded_pixels"],
         },
