@@ -80,6 +80,9 @@ class GraphPool:
                 log.error("capture of %s failed, it will run eagerly: %s", key, self.failed[key])
                 if is_cuda:
                     torch.cuda.synchronize(self.device)
+                    # A capture that raised leaves its private pool unusable (PyTorch's allocator then
+                    # asserts on every later capture into it): the keys after it get a new one.
+                    self._mempool = torch.cuda.graph_pool_handle()
         if is_cuda:
             torch.cuda.synchronize(self.device)
             # The warm-up runs' activations sit cached in the ordinary allocator (gigabytes for the
