@@ -7,7 +7,7 @@ the padding rule runs at their exact size), whose activations are as large as a 
 tokens. All but the weights and the context grow with the largest token budget.
 
 With a budget, the largest token budget is the largest power of two whose measured needs fit: the
-activation bytes per token are measured on a probe forward after the weights are loaded, and the
+bytes per token are measured by capturing one probe graph after the weights are loaded, and the
 allocator is capped at what the budget leaves after the memory outside it, so that an eager forward
 that would pass the budget fails alone (an out-of-memory error for its batch) instead of taking memory
 another process on the GPU counts on.
@@ -20,7 +20,6 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 log = logging.getLogger("vitserve.engine")
@@ -29,6 +28,7 @@ GIB = 2**30
 MIB = 2**20
 MARGIN = 256 * MIB  # for the allocator's rounding and fragmentation
 PROBE_TOKENS = 1024
+FRAGMENTATION = 1.1  # the probe's peak, scaled up: larger segments round and fragment too
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
 
@@ -112,28 +112,35 @@ def weights_bytes(tower: Any) -> int:
     return sum(p.numel() * p.element_size() for p in tower.parameters())
 
 
-def activation_bytes_per_token(tower: Any, device: torch.device) -> float:
-    """Peak allocator bytes per merged token of an eager forward (the same kernels a graph captures)."""
-    side = int(round((PROBE_TOKENS * tower.merge_unit) ** 0.5))
-    side -= side % tower.merge
-    grid = [(1, side, side)]
-    pixels = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (side * side, tower.processor.patch_dim),
-                                                                  dtype=np.uint8)).to(device)
-    cap = tower.required_capacity(grid)
-    meta = {k: torch.from_numpy(v).to(device) for k, v in tower.build_metadata(grid, cap).items()}
+def capture_bytes_per_token(tower: Any, device: torch.device) -> float:
+    """Peak reserved bytes per merged token of capturing one graph at PROBE_TOKENS, through the pool's
+    own steps (warm-up forward, then capture into a private pool), with its static buffers.
+
+    Measured, not derived from one forward's activations: a capture's peak also holds the warm-up's
+    activations (still allocated while the capture runs) and the private pool's segment rounding. On an
+    H200 (Qwen2.5-VL) that was about twice an eager forward's peak, which a 4 GiB budget sized on one
+    forward ran out of in its first capture."""
+    from graphs.budgets import BudgetPlan, GraphKey
+    from graphs.pool import GraphPool
+    from graphs.stats import PoolStats
+
+    plan = BudgetPlan.create(max_batch_tokens=PROBE_TOKENS, budgets=[PROBE_TOKENS], merge_unit=tower.merge_unit,
+                             windows=bool(getattr(tower, "window", 0)),
+                             window_patches=getattr(tower, "window", 0) ** 2 * tower.merge_unit)
+    key = GraphKey("image", PROBE_TOKENS, plan.length_classes(PROBE_TOKENS)[-1])
     torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with torch.inference_mode():
-        tower(pixels, meta, cap)
+    pool = GraphPool(tower, device, plan, PoolStats())
+    pool.capture([key])
+    if pool.failed:
+        raise MemoryBudgetError(f"the probe capture of {PROBE_TOKENS} tokens failed: {pool.failed[key]}")
     torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / (side * side // tower.merge_unit)
-
-
-def buffer_bytes_per_token(tower: Any) -> float:
-    """Static inputs (uint8 pixels) and the joined output, per merged token."""
-    itemsize = next(tower.parameters()).element_size()
-    return tower.merge_unit * tower.processor.patch_dim + tower.out_hidden_size * (1 + tower.num_deepstack) * itemsize
+    peak = torch.cuda.max_memory_reserved(device)
+    del pool
+    torch.cuda.empty_cache()
+    return (peak - base) / PROBE_TOKENS
 
 
 def limit_bytes(setting: str | None, device: torch.device) -> int | None:
@@ -156,28 +163,26 @@ def fit_budget(tower: Any, device: torch.device, setting: str, max_batch_tokens:
     allocator_cap = limit - outside - MARGIN
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device)
-    per_token = activation_bytes_per_token(tower, device)
-    torch.cuda.empty_cache()
-    per_token_total = 2 * per_token + buffer_bytes_per_token(tower)  # a graph's activations, an eager batch's
+    per_token = capture_bytes_per_token(tower, device) * FRAGMENTATION
     room = allocator_cap - held
     budget = 0
     b = 64
-    while b <= max_batch_tokens and b * per_token_total <= room:
+    while b <= max_batch_tokens and b * per_token <= room:
         budget = b
         b *= 2
-    if max_batch_tokens not in (budget, *(64 * 2**k for k in range(20))) and max_batch_tokens * per_token_total <= room:
+    if max_batch_tokens not in (budget, *(64 * 2**k for k in range(20))) and max_batch_tokens * per_token <= room:
         budget = max_batch_tokens
-    needed = held + outside + 2 * MARGIN + 64 * per_token_total
+    needed = held + outside + 2 * MARGIN + 64 * per_token
     if budget == 0:
         raise MemoryBudgetError(
             f"--gpu-memory {setting} ({limit / GIB:.2f} GiB) is too small: the weights and the CUDA context take "
             f"{(held + outside) / GIB:.2f} GiB and the smallest graph pool (64 tokens) needs {needed / GIB:.2f} GiB "
             "in all")
     torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap / total), device)
-    full = held + outside + 2 * MARGIN + max_batch_tokens * per_token_total
+    full = held + outside + 2 * MARGIN + max_batch_tokens * per_token
     message = (f"--gpu-memory {limit / GIB:.2f} GiB: weights {weights_bytes(tower) / GIB:.2f} GiB, CUDA context and "
-               f"libraries {outside / GIB:.2f} GiB, {per_token / 1024:.0f} KiB of activations per token (twice: the "
-               f"graph pool and an eager batch) -> budgets up to {budget} tokens"
+               f"libraries {outside / GIB:.2f} GiB, {per_token / 1024:.0f} KiB per token to capture a graph "
+               f"(measured at {PROBE_TOKENS} tokens; an eager batch needs less) -> budgets up to {budget} tokens"
                + ("" if budget == max_batch_tokens else f" ({max_batch_tokens} would need {full / GIB:.2f} GiB)"))
     return budget, message
 
