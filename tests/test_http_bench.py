@@ -13,7 +13,7 @@ from service.cli import main
 from tests.http_helpers import QuietHandler, free_port, loopback_http_server, server_url
 
 LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
-                "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_gpu"}
+                "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_engine"}
 ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
                  "single_encode_ms", "batch_images", "batch_ms", "batch_preprocess_ms", "batch_encode_ms",
                  "images_per_s", "encode_only_images_per_s", "single_reps", "batch_reps"}

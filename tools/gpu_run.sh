@@ -2,7 +2,8 @@
 # One call on the GPU machine: the cuda-marked tests, then the benchmark. Logs under $OUT.
 #   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  PROFILE="model@workload ..."  CHUNKING=model
 #   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
-#   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried)
+#   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried);
+#   HTTP_VARIANTS="label=serve flags|...": one run per variant; HTTP_CLIENTS: client processes
 #   HTTP_PYSPY=1: profile that run, server and client, with py-spy (carry its wheel: device-wheels.sh py-spy);
 #   HTTP_PYSPY=gil: sample only the thread holding the GIL (where a GIL-bound server spends it)
 set -uo pipefail
@@ -39,7 +40,13 @@ if [ -n "${HTTP:-}" ]; then
     [ "$HTTP_PYSPY" = gil ] && mode=(--gil)
     profiler=("$pyspy" record --subprocesses "${mode[@]}" --rate 100 --format speedscope -o "$OUT/http_pyspy.json" --)
   fi
-  timeout "${HTTP_TIMEOUT:-420}" "${profiler[@]}" python3 -m service.cli bench --http --model "$HTTP" \
-    --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" --requests-per-level "${HTTP_REQUESTS:-512}" \
-    --level-time-s "${HTTP_LEVEL_S:-15}" --out "$OUT/http_bench.json" 2>&1 | grep -v RANDOM | tee "$OUT/http.log"
+  # HTTP_VARIANTS="label=serve flags|label2=more flags": one run each, into http_bench_<label>.json
+  IFS='|' read -ra variants <<< "${HTTP_VARIANTS:-default=}"
+  for variant in "${variants[@]}"; do
+    label=${variant%%=*}
+    timeout "${HTTP_TIMEOUT:-420}" "${profiler[@]}" python3 -m service.cli bench --http --model "$HTTP" \
+      --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" --requests-per-level "${HTTP_REQUESTS:-512}" \
+      --level-time-s "${HTTP_LEVEL_S:-15}" --client-processes "${HTTP_CLIENTS:-1}" --serve-flags "${variant#*=}" \
+      --out "$OUT/http_bench_$label.json" 2>&1 | grep -v RANDOM | tee "$OUT/http_$label.log"
+  done
 fi

@@ -334,8 +334,8 @@ STAGES = {
 }
 
 
-def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each STAGES histogram from the server's /metrics; {} when unavailable."""
+def server_metrics(base_url: str, api_key: str | None = None) -> list[Any]:
+    """The server's /metrics as sample lists ([] when unavailable)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     req = urllib.request.Request(base_url + "/metrics")
@@ -345,12 +345,17 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - loopback only (check_loopback)
             text = resp.read().decode()
     except OSError:
-        return {}
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.labels:
-                samples[sample.name] = sample.value
+        return []
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each STAGES histogram from the server's /metrics, over all its fronts; {} when
+    unavailable."""
+    samples: dict[str, float] = {}
+    for sample in server_metrics(base_url, api_key):
+        if set(sample.labels) <= {"front"}:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     totals = {stage: (samples.get(name + "_sum", 0.0), samples.get(name + "_count", 0.0))
               for stage, name in STAGES.items()}
     if "process_cpu_seconds_total" in samples:  # with the time it was read: CPU seconds per second
@@ -409,9 +414,11 @@ def engine_reference(images: Sequence[bytes], *, model: str, device: str, dtype:
 
     from graphs.runner import GraphRunner, plan_for
     from models import load_tower
+    from service.engine.loading import bind_device
 
     tower = load_tower(model, device=device, dtype=dtype)
     dev = next(tower.parameters()).device
+    bind_device(dev)  # captures and replays run on the current device's streams: cuda:1 must be current
     plan = plan_for(tower, max_batch_tokens, budgets, max_batch_items, t_capture)
     runner = GraphRunner(tower, dev, plan, use_graphs=not eager)
     runner.capture()
@@ -490,13 +497,21 @@ def _time_engine(runner: Any, images: Sequence[bytes], workers: int, single_reps
 # ---- the whole run -----------------------------------------------------------------------------
 
 
-def engine_counts(base_url: str, api_key: str | None) -> dict[str, tuple[int, int]]:
-    """gpu -> (batches, items) of each engine of a multi-engine server (empty for one engine)."""
-    _, info = get_json(base_url + "/info", api_key)
-    return {str(e["gpu"]): (e["batches"], e["items"]) for e in (info or {}).get("engines", [])}
+def engine_counts(base_url: str, api_key: str | None) -> dict[str, tuple[float, float]]:
+    """engine -> (batches, items): per GPU behind one front (`vitserve_engine_*`), else per front."""
+    gpus: dict[str, list[float]] = {}
+    fronts: dict[str, list[float]] = {}
+    for sample in server_metrics(base_url, api_key):
+        if sample.name in ("vitserve_engine_batches_total", "vitserve_engine_items_total"):
+            gpus.setdefault(f"gpu {sample.labels['gpu']}", [0.0, 0.0])[sample.name.endswith("items_total")] += \
+                sample.value
+        elif sample.name in ("vitserve_batch_items_count", "vitserve_batch_items_sum") and "front" in sample.labels:
+            fronts.setdefault(f"front {sample.labels['front']}", [0.0, 0.0])[sample.name.endswith("_sum")] += \
+                sample.value
+    return {k: (v[0], v[1]) for k, v in (gpus or fronts).items()}
 
 
-def items_per_batch(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:
+def items_per_batch(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
     out = {}
     for gpu, (batches, items) in after.items():
         b0, i0 = before.get(gpu, (0, 0))
@@ -574,7 +589,9 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
         server = {"url": base_url, "spawned": spawned is not None, "command": spawned, "model": s.get("model"),
                   "family": info.get("family"), "device": info.get("device"), "dtype": info.get("dtype"),
                   "settings": {k: s.get(k) for k in ("max_batch_tokens", "budgets", "max_batch_items", "max_wait_ms",
-                                                     "preprocess_workers", "eager", "t_capture", "data_parallel")}}
+                                                     "preprocess_workers", "eager", "t_capture", "data_parallel")},
+                  # one per front (each front's /info shows its own share of the settings), or behind one front
+                  "engines": int((info.get("front") or {}).get("of") or s.get("data_parallel") or 1)}
         # With several engines (--data-parallel) the reference is one engine on the first of their devices,
         # counted as many times (linear scaling): `targets` says so.
         first_device = str(info["device"]).split(",")[0]
@@ -600,7 +617,7 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             level = run_level(base_url, bodies, c, requests_per_level, level_time_s, api_key, client=client,
                               processes=min(client_processes, c))
             level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key))
-            level["items_per_batch_by_gpu"] = items_per_batch(engines_before, engine_counts(base_url, api_key))
+            level["items_per_batch_by_engine"] = items_per_batch(engines_before, engine_counts(base_url, api_key))
             levels.append(level)
             log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s  p50 {level['p50_ms']} ms  p90 {level['p90_ms']} "
                 f"ms  p99 {level['p99_ms']} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
@@ -626,7 +643,7 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
     else:
         body = measure(url, None)
     result = {"env": {**environment(), "client": client_name(client)}, "limits": limits, **body,
-              "targets": targets(body["levels"], body["engine"], int(body["server"]["settings"]["data_parallel"] or 1))}
+              "targets": targets(body["levels"], body["engine"], body["server"]["engines"])}
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1))
