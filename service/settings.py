@@ -124,6 +124,10 @@ class ServeSettings(BaseModel):
                                 text=True)
     data_parallel: int | Literal["auto"] = flag("engines, one per GPU, each in its own process: a number, or auto "
                                                 "for every visible GPU (default 1)", default=1)
+    fronts: int | Literal["auto"] = flag("HTTP front processes sharing the port: 1 (every engine behind one), or one "
+                                         "per engine, each with its share of the worker processes, connections, "
+                                         "request slots and cache, so that parsing and response writing use more "
+                                         "cores (default auto: one per engine on GPUs)", default="auto")
     # Bounds on a request's head and on connections, enforced by the HTTP protocol before the app
     # (service/http/protocol.py): 431, 408 or 503, and the connection closed.
     max_header_bytes: int = flag("request line and headers together, 431 above (default 65536)", default=64 * 1024,
@@ -187,10 +191,23 @@ class ServeSettings(BaseModel):
             raise ValueError(f"--data-parallel takes a number of engines (1 or more) or auto, got {value!r}")
         return int(text)
 
+    @field_validator("fronts", mode="before")
+    @classmethod
+    def _fronts(cls, value: Any) -> Any:
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"--fronts takes a number of front processes (1 or more) or auto, got {value!r}")
+        return int(text)
+
     @model_validator(mode="after")
     def _consistent(self) -> ServeSettings:
         if self.data_parallel != 1:
             self._check_engines()
+        if self.fronts not in ("auto", 1) and self.data_parallel != "auto" and self.fronts != self.data_parallel:
+            raise ValueError(f"--fronts {self.fronts} with --data-parallel {self.data_parallel}: fronts are 1 or one "
+                             "per engine")
         if self.allow_url and not self.allowed_hosts:
             raise ValueError("--allow-url needs --allowed-hosts (VITSERVE_ALLOWED_HOSTS): a list of host names")
         if self.max_header_line_bytes > self.max_header_bytes:
@@ -233,6 +250,30 @@ class ServeSettings(BaseModel):
         if count <= 1:
             return [self.device]
         return [f"cuda:{i}" for i in range(count)] if on_cuda else ["cpu"] * count
+
+    def front_count(self) -> int:
+        """HTTP front processes: 1, or one per engine (auto: one per engine when the engines are GPUs)."""
+        devices = self.engine_devices()
+        if self.fronts == "auto":
+            return len(devices) if len(devices) > 1 and devices[0].startswith("cuda") else 1
+        if self.fronts not in (1, len(devices)):
+            raise SettingsError(f"--fronts {self.fronts} with {len(devices)} engines: fronts are 1 or one per engine")
+        return self.fronts
+
+    def for_front(self, index: int, count: int) -> ServeSettings:
+        """The settings of front `index` of `count`: its own engine, and its share of what the server bounds
+        as a whole (worker processes, connections, request slots, queued tokens, cache bytes)."""
+        if count == 1:
+            return self
+        share = lambda total: max(1, -(-total // count))  # noqa: E731 - rounded up, at least one
+        return self.model_copy(update={
+            "data_parallel": 1, "fronts": 1, "device": self.engine_devices()[index],
+            "preprocess_workers": share(self.preprocess_workers),
+            "max_connections": share(self.max_connections),
+            "max_concurrent_requests": share(self.max_concurrent_requests),
+            "max_queued_tokens": share(self.max_queued_tokens) if self.max_queued_tokens else None,
+            "cache_bytes": self.cache_bytes // count,
+        })
 
     @property
     def queue_tokens_limit(self) -> int:

@@ -29,6 +29,7 @@ from service.handoff.ec_storage import StorageError
 from service.handoff.pipeline import Handoff
 from service.http import docs, encoders
 from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large, validation_error
+from service.http.fronts import FrontRole, ask_siblings, merge_expositions
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
 from service.http.responses import PartsResponse, json_parts, take_segment
 from service.http.schemas import (
@@ -260,7 +261,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: Metrics | None = None,
-               start_engine: bool = True) -> FastAPI:
+               start_engine: bool = True, front: FrontRole | None = None) -> FastAPI:
     metrics = metrics or (engine.metrics if engine else Metrics())
     engine = engine or Engine(settings, metrics)
     service = Service(settings, engine, metrics)
@@ -313,9 +314,17 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
 
     @app.get("/ready", summary="Readiness: 200 once weights are loaded and graphs captured",
              responses={503: {"model": ErrorResponse, "description": "starting or shutting down"}})
-    async def ready() -> Response:
+    async def ready(scope: str = "server") -> Response:
+        """Ready when this front is and, with several fronts, every sibling too (`scope=front`: this one)."""
         if engine.ready:
-            return JSONResponse(engine.readiness())
+            if front is None or front.count == 1 or scope == "front":
+                return JSONResponse(engine.readiness())
+            answers = await ask_siblings(front, "/ready")
+            waiting = [name for name, r in answers if r is None or r.status_code != 200]
+            if not waiting:
+                return JSONResponse({**engine.readiness(), "fronts": front.count})
+            return ApiError(503, "unavailable", f"front(s) {', '.join(waiting)} of {front.count} not ready yet",
+                            "starting", headers={"Retry-After": "1"}).response()
         try:
             engine.check_accepting()
         except NotReady as exc:
@@ -324,8 +333,17 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {METRICS_CONTENT_TYPE: {}}}})
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+    async def prometheus(scope: str = "server") -> Response:
+        """The whole server's series; `scope=front`: this front's alone (what siblings read of each other)."""
+        if front is None or front.count == 1 or scope == "front":
+            return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        parts = [(str(front.index), metrics.render().decode()),
+                 *((name, r.text if r is not None and r.status_code == 200 else None)
+                   for name, r in await ask_siblings(front, "/metrics"))]
+        missing = [name for name, text in parts if text is None]
+        headers = {"x-vitserve-fronts-missing": ",".join(missing)} if missing else None
+        body = merge_expositions((name, text) for name, text in parts if text is not None)
+        return Response(body, media_type=METRICS_CONTENT_TYPE, headers=headers)
 
     @app.get("/info", summary="Model, limits, graph pool and version",
              responses={401: ERROR_RESPONSES[401]})
@@ -334,8 +352,9 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             service.check_auth(request)
         except ApiError as exc:
             return exc.response()
+        fronts = {"front": {"index": front.index, "of": front.count, "pid": os.getpid()}} if front is not None else {}
         return JSONResponse({"version": VERSION, **engine.info(), "cache": service.handoff.info(),
-                             "settings": settings.public_dict()})
+                             "settings": settings.public_dict(), **fronts})
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:

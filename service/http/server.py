@@ -23,6 +23,7 @@ from graphs.budgets import BudgetError, BudgetPlan
 from models.presets import DEFAULT_MODEL
 from service.engine.core import Engine
 from service.http.app import Service, create_app
+from service.http.fronts import FrontRole, run_fronts
 from service.http.protocol import HeadLimits, limited_protocol
 from service.metrics import Metrics
 from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
@@ -74,9 +75,13 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings.from_sources(flags)
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, process: str = "") -> None:
+    """Log lines on stderr; `process` names this process in each line where several serve (fronts)."""
     numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper(), logging.INFO)
-    logging.basicConfig(level=numeric, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    where = f" {process}" if process else ""
+    logging.basicConfig(level=numeric, format=f"%(asctime)s %(levelname)s{where} %(name)s: %(message)s", force=True)
+    # httpx logs every request at INFO: the fronts' metrics reads and every media URL fetch
+    logging.getLogger("httpx").setLevel(max(numeric, logging.WARNING))
 
 
 def check_plan(settings: ServeSettings) -> None:
@@ -100,6 +105,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"vitserve serve: {exc}", file=sys.stderr)
         return exc.code
     configure_logging(settings.log_level)
+    count = settings.front_count()
+    if count > 1:
+        return run_fronts(settings, sock, count)
     return serve(settings, sock)
 
 
@@ -156,14 +164,16 @@ def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> uvico
     return uvicorn.Config(app, **{**options, **overrides})
 
 
-def serve(settings: ServeSettings, sock: socket.socket | None = None) -> int:
-    """Run the server on `sock` (bound by preflight), else on --host/--port; returns the exit code."""
-    if settings.model_defaulted:
+def serve(settings: ServeSettings, sock: socket.socket | None = None, front: FrontRole | None = None,
+          private: Sequence[socket.socket] = ()) -> int:
+    """Run the server on `sock` (bound by preflight), else on --host/--port; returns the exit code. A front
+    (`front`, see `fronts.py`) also serves on its `private` Unix socket."""
+    if settings.model_defaulted and (front is None or front.index == 0):
         log.warning("no --model given: serving the embedded %s preset (random weights, for trying the API)",
                     DEFAULT_MODEL)
     metrics = Metrics()
     engine = Engine(settings, metrics)
-    app = create_app(settings, engine=engine, metrics=metrics)
+    app = create_app(settings, engine=engine, metrics=metrics, front=front)
     config = uvicorn_config(app, settings)
     server = DrainingServer(config, app.state.service, settings.request_timeout_s)
     engine.on_fatal = server.fatal
@@ -176,7 +186,7 @@ def serve(settings: ServeSettings, sock: socket.socket | None = None) -> int:
         host, port = sock.getsockname()[:2]
         log.info("listening on http://%s:%d; loading the model in the background (GET /ready: 200 once done)",
                  host, port)
-    server.run(sockets=None if sock is None else [sock])
+    server.run(sockets=None if sock is None else [sock, *private])
     return server.exit_code
 
 

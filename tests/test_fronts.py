@@ -1,0 +1,98 @@
+"""`--fronts`: one HTTP front process per engine on one port, here two CPU engines over real HTTP.
+
+Each front imports torch and loads its engine (seconds on two cores), so one server serves the traffic
+tests and is then stopped with SIGTERM; a second one has a front killed under it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.preflight import EXIT_FAILED
+from service.settings import ServeSettings, SettingsError
+from tests.http_helpers import SubprocessServer, b64, image_bytes
+
+FLAGS = ("--data-parallel", "2", "--fronts", "2", "--preprocess-workers", "2")
+BODY = {"items": [{"type": "image", "image": b64(image_bytes(96, 64, seed=3))}], "encoding_format": "base64"}
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with SubprocessServer(*FLAGS) as srv:
+        yield srv
+
+
+def test_two_fronts_share_the_port_and_answer_alike(server):
+    def post(_: int) -> httpx.Response:
+        with httpx.Client(timeout=60) as c:  # a connection each: the kernel spreads connections, not requests
+            return c.post(server.url + "/encode", json=BODY)
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(post, range(32)))
+    assert [r.status_code for r in responses] == [200] * 32
+    assert len({r.json()["data"][0]["embedding"] for r in responses}) == 1  # both engines, one answer
+    served = {labels["front"]: value for labels, value in
+              samples(httpx.get(server.url + "/metrics").text, "vitserve_requests_total") if labels["status"] == "200"}
+    assert set(served) == {"0", "1"} and all(v > 0 for v in served.values()), served
+    assert sum(served.values()) == 32
+
+
+def test_metrics_cover_every_front_and_scope_front_one(server):
+    merged = httpx.get(server.url + "/metrics")
+    assert merged.status_code == 200 and "x-vitserve-fronts-missing" not in merged.headers
+    ready = samples(merged.text, "vitserve_ready")
+    assert sorted(labels["front"] for labels, _ in ready) == ["0", "1"] and all(v == 1 for _, v in ready)
+    buckets = samples(merged.text, "vitserve_request_duration_seconds_bucket")
+    assert {labels["front"] for labels, _ in buckets} == {"0", "1"} and all("le" in labels for labels, _ in buckets)
+    own = httpx.get(server.url + "/metrics", params={"scope": "front"}).text
+    assert [labels for labels, _ in samples(own, "vitserve_ready")] == [{}]
+    info = httpx.get(server.url + "/info").json()
+    assert info["front"]["of"] == 2 and info["front"]["index"] in (0, 1)
+    assert info["settings"]["preprocess_workers"] == 1  # each front has its share
+
+
+def test_sigterm_drains_every_front_and_exits_zero(server):
+    server.terminate()
+    code, out = server.wait(60)
+    assert code == 0, out[-2000:]
+    assert out.count("draining") >= 2 and "front-0" in out and "front-1" in out
+
+
+def test_a_front_that_dies_stops_the_server():
+    with SubprocessServer(*FLAGS) as srv:
+        fronts: dict[int, int] = {}
+        deadline = time.monotonic() + 30
+        while len(fronts) < 2 and time.monotonic() < deadline:
+            with httpx.Client() as c:
+                front = c.get(srv.url + "/info").json()["front"]
+            fronts[front["index"]] = front["pid"]
+        assert len(fronts) == 2
+        os.kill(fronts[1], signal.SIGKILL)
+        code, out = srv.wait(60)
+    assert code == EXIT_FAILED
+    assert "front vitserve-front-1 exited with code -9: stopping the others" in out
+
+
+def test_front_settings():
+    assert ServeSettings(device="cpu", data_parallel=2).front_count() == 1  # auto: several fronts for GPUs only
+    s = ServeSettings(device="cpu", data_parallel=2, fronts=2, preprocess_workers=5, max_connections=100,
+                      max_concurrent_requests=9, cache_bytes=2**30)
+    assert s.front_count() == 2
+    one = s.for_front(1, 2)
+    assert (one.data_parallel, one.fronts, one.device) == (1, 1, "cpu")
+    assert (one.preprocess_workers, one.max_connections, one.max_concurrent_requests, one.cache_bytes) == \
+        (3, 50, 5, 2**29)
+    with pytest.raises(ValueError, match="fronts are 1 or one per engine"):
+        ServeSettings(device="cpu", data_parallel=2, fronts=3)
+    with pytest.raises(SettingsError, match="--fronts"):
+        ServeSettings.from_sources({"fronts": "0"})
