@@ -139,14 +139,17 @@ class GraphRunner:
     def pack_items(self, items: Sequence[VisualInput]) -> list[Batch]:
         return pack([to_pack_item(it, self.plan) for it in items], self.plan, self.cost, set(self.pool.failed))
 
-    def run(self, batch: Batch, items: Sequence[VisualInput]) -> torch.Tensor:
+    def run(self, batch: Batch, items: Sequence[VisualInput], staged: np.ndarray | torch.Tensor | None = None
+            ) -> torch.Tensor:
         """Run one packed batch (`items`: its own items, in `batch.items` order). Returns the joined output
         rows [tokens, width] of all its items, on the device; a replay's rows are a view of the graph's
-        static output, valid until the next replay: copy them out (on this stream) before running again."""
+        static output, valid until the next replay: copy them out (on this stream) before running again.
+        `staged`: the items' pixel rows already back to back (page-locked on CUDA), so not copied again."""
         if batch.reason in ("t_capture", "over_budget") and self.chunkable(items[0]):
             return self.encode_chunked(items[0])
         grids = [it.grid_thw for it in items]
-        pixels = concat_pixels([it.pixels for it in items], pin=self.device.type == "cuda")
+        pixels = staged if staged is not None else concat_pixels([it.pixels for it in items],
+                                                                 pin=self.device.type == "cuda")
         reason = batch.reason
         if reason is None and not self.use_graphs:
             reason = "graphs_disabled"

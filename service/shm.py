@@ -38,20 +38,6 @@ class SegmentNames:
         return f"{self.prefix}{kind}{next(self._counter)}"
 
 
-def create(name: str, size: int) -> mmap.mmap:
-    """A new segment of `size` bytes, mapped read-write; raises OSError (ENOSPC) when /dev/shm is full."""
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        size = max(size, 1)
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-    except BaseException:
-        unlink(name)
-        raise
-    finally:
-        os.close(fd)
-
-
 # Map every page at once: a segment is read whole right after it is mapped, and one populate costs far
 # less than a page fault per 4 KiB (600 of them for one image's embedding).
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -77,19 +63,43 @@ def array(buf: mmap.mmap | memoryview, dtype: np.dtype | str, shape: tuple[int, 
     return np.ndarray(shape, dtype=np.dtype(dtype), buffer=buf, offset=offset)
 
 
+def write(name: str, data: bytes | memoryview) -> None:
+    """A new segment holding `data`, written with pwrite: no mapping in this process, so no page faults
+    nor TLB shootdowns (2.4 MB: 0.7 ms against 1.7 ms through a mapping, Linux, 2 cores); raises
+    OSError (ENOSPC) when /dev/shm is full, before anything is written."""
+    view = memoryview(data).cast("B")
+    fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if len(view):
+            os.posix_fallocate(fd, 0, len(view))
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], done)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
 def write_array(name: str, arr: np.ndarray) -> None:
     """One array into a new segment of exactly its size."""
-    arr = np.ascontiguousarray(arr)
-    seg = create(name, arr.nbytes)
+    write(name, np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+
+
+def read_into(name: str, out: np.ndarray) -> None:
+    """The segment's first `out.nbytes` bytes into `out` (contiguous), with pread: no mapping here."""
+    view = memoryview(out).cast("B")
+    fd = os.open(SHM_DIR / name, os.O_RDONLY)
     try:
-        array(seg, arr.dtype, arr.shape)[...] = arr
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:
+                raise ValueError(f"segment {name} holds {done} bytes, {len(view)} expected")
+            done += n
     finally:
-        seg.close()
-
-
-def read_array(name: str, dtype: np.dtype | str, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
-    """A read-only view of an array in a segment; the mapping lives as long as the view."""
-    return array(open_segment(name), dtype, shape, offset)
+        os.close(fd)
 
 
 def free_bytes() -> int | None:

@@ -86,7 +86,7 @@ class Recorder:
         self.fail_next = False
         runner.run = self  # type: ignore[method-assign]
 
-    def __call__(self, batch, items):
+    def __call__(self, batch, items, staged=None):
         self.threads.add(threading.current_thread().name)
         if self.gate is not None:
             self.gate.wait(30)
@@ -94,7 +94,7 @@ class Recorder:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected device failure")
-        return self.inner(batch, items)
+        return self.inner(batch, items, staged)
 
 
 def test_items_reassemble_in_order_across_batches(tower):

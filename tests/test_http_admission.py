@@ -104,11 +104,11 @@ def test_500_is_logged_with_an_id_and_the_server_recovers(caplog):
         original = runner.run
         calls = []
 
-        def failing(batch, items):
+        def failing(batch, items, staged=None):
             calls.append(1)
             if len(calls) == 1:
                 raise RuntimeError("injected device failure")
-            return original(batch, items)
+            return original(batch, items, staged)
 
         runner.run = failing
         with caplog.at_level(logging.ERROR, logger="vitserve"):

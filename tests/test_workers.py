@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from service.media.errors import MediaError
+from service.shm import PREFIX as SEGMENT_PREFIX
+from service.shm import SHM_DIR, unlink
 from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool, resident_bytes
 
 JOBS = "tests.hooks.jobs"
@@ -111,6 +113,33 @@ def test_a_caller_that_gives_up_abandons_the_job_and_its_process() -> None:
         assert await pool.call(owner, f"{JOBS}:echo", 2) == 2
 
     run(1, scenario)
+
+
+@pytest.mark.parametrize("kill_lands", [True, False])
+def test_an_abandoned_job_leaves_no_segment_whenever_its_kill_lands(kill_lands: bool) -> None:
+    """The front unlinks a cancelled item's segment at once, but its worker may still write it before the
+    kill lands, or even answer: the pool unlinks the job's `leaves` once the worker answered or exited."""
+    name = f"{SEGMENT_PREFIX}{os.getpid()}_test_leaves_{kill_lands}"
+
+    async def scenario(pool: WorkerPool) -> None:
+        if not kill_lands:  # the kill is late: the worker finishes and answers for a job nobody awaits
+            pool._kill = lambda worker, reason: setattr(worker, "kill_reason", reason)  # type: ignore[method-assign]
+        task = asyncio.ensure_future(pool.call(Owner("r"), f"{JOBS}:write_segment", name, 0.3, leaves=(name,)))
+        await until(lambda: pool.stats()["busy"] == 1, 10)
+        worker = next(w for w in pool._workers if w.job is not None)
+        task.cancel()
+        if kill_lands:
+            await asyncio.sleep(0.5)  # the segment would have been written by now
+            assert not (SHM_DIR / name).exists()
+        else:
+            await until(lambda: worker.job is None, 5)  # its answer came in
+            assert not (SHM_DIR / name).exists()
+            worker.process.kill()
+
+    try:
+        run(1, scenario)
+    finally:
+        unlink(name)
 
 
 def test_queued_jobs_of_a_cancelled_owner_never_run() -> None:

@@ -102,7 +102,7 @@ def encode_item(ctx: Any, result: dict[str, Any], fmt: str, dtype: str, include_
     item = view(result, hidden, encoders.DTYPES[dtype])
     body = encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
                                                       temporal_patch_size))
-    _write(out, body)
+    shm.write(out, body)
     return len(body)
 
 
@@ -113,14 +113,8 @@ def encode_safetensors(ctx: Any, results: list[dict[str, Any]], header: dict[str
 
     items = [view(r, hidden, encoders.DTYPES[header["dtype"]]) for r in results]
     body = encoders.safetensors_body(items, **header)
-    _write(out, body)
+    shm.write(out, body)
     return len(body)
 
 
-def _write(name: str, body: bytes) -> None:
-    segment = shm.create(name, len(body))
-    try:
-        segment[:len(body)] = body
-    finally:
-        segment.close()
 

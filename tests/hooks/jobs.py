@@ -53,3 +53,12 @@ def bug(ctx: Any) -> None:
 
 def ask(ctx: Any, question: Any) -> Any:
     return ctx.ask(question)
+
+
+def write_segment(ctx: Any, name: str, seconds: float) -> str:
+    """After `seconds`, create segment `name` (what a media job does last), then linger."""
+    from service import shm
+
+    time.sleep(seconds)
+    shm.write(name, b"pixels")
+    return name
