@@ -318,7 +318,7 @@ class Engine:
             try:
                 prepared = await self.workers.call(request, "service.workers.jobs:prepare_media", source,
                                                    len(item.data), item.modality, model.processor, options,
-                                                   self.limits, pixels, on_ask=admit)
+                                                   self.limits, pixels, on_ask=admit, leaves=(pixels,))
             except MediaError as exc:
                 raise ItemError(item.index, exc.reason, exc.code, exc.status) from None
             except WorkerDied as exc:

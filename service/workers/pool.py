@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from service.shm import process_alive
+from service.shm import process_alive, unlink
 
 log = logging.getLogger("vitserve.workers")
 
@@ -80,6 +80,7 @@ class _Job:
     args: tuple
     future: asyncio.Future
     on_ask: Callable[[Any], Any] | None
+    leaves: tuple[str, ...] = ()  # shared-memory segments the job creates: unlinked if nobody takes them
     worker: _Worker | None = None
 
 
@@ -160,15 +161,18 @@ class WorkerPool:
         self._idle.clear()
 
     # ---- the caller's side --------------------------------------------------------------------
-    async def call(self, owner: Owner, fn: str, *args: Any, on_ask: Callable[[Any], Any] | None = None) -> Any:
+    async def call(self, owner: Owner, fn: str, *args: Any, on_ask: Callable[[Any], Any] | None = None,
+                   leaves: tuple[str, ...] = ()) -> Any:
         """Run `fn` ("module:function", called as fn(ctx, *args)) in a worker for `owner`; its return value.
         Raises what the job raised if that pickles (input errors), JobFailed for other exceptions, and
-        WorkerDied if the worker exited. Cancelling the awaiting task abandons the job (its worker is killed)."""
+        WorkerDied if the worker exited. Cancelling the awaiting task abandons the job (its worker is killed).
+        `leaves`: the segments the job writes; an abandoned job's are unlinked once its worker has answered
+        or exited (a worker killed a moment late may still create them)."""
         if owner.cancelled:
             raise asyncio.CancelledError()
         if self._stopping or self.loop is None:
             raise WorkerDied("stopped", "the server is stopping")
-        job = _Job(next(self._ids), owner, fn, args, self.loop.create_future(), on_ask)
+        job = _Job(next(self._ids), owner, fn, args, self.loop.create_future(), on_ask, leaves)
         self._waiting.setdefault(owner, deque()).append(job)
         self.counters["jobs"] += 1
         self._dispatch()
@@ -244,9 +248,10 @@ class WorkerPool:
             self._answer(worker, job, message[2])
             return
         self._finish(worker)
-        if kind == "done":
-            if not job.future.done():
-                job.future.set_result(message[2])
+        if job.future.done():  # abandoned: what it wrote has no taker
+            _unlink_all(job.leaves)
+        elif kind == "done":
+            job.future.set_result(message[2])
         elif kind == "raised":
             self._fail(job, message[2])
         else:  # "failed": message, traceback
@@ -304,6 +309,8 @@ class WorkerPool:
             self._workers.remove(worker)
         worker.conn.close()
         job = self._finish(worker)
+        if job is not None:
+            _unlink_all(job.leaves)  # whatever it got to write, no result points at it
         reason = worker.kill_reason or "crash"
         if reason == "crash":
             self.counters["crashed"] += 1
@@ -340,6 +347,11 @@ class WorkerPool:
     def stats(self) -> dict[str, Any]:
         return {"workers": len(self._workers), "busy": sum(w.job is not None for w in self._workers),
                 "queued": sum(len(q) for q in self._waiting.values()), **self.counters}
+
+
+def _unlink_all(names: tuple[str, ...]) -> None:
+    for name in names:
+        unlink(name)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
