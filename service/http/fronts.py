@@ -102,6 +102,7 @@ def run_fronts(settings: ServeSettings, sock: socket.socket, count: int) -> int:
             code = 0
             if not stopping.is_set():
                 failed = next(p for p in fronts if p.sentinel in first)
+                failed.join(5)  # its sentinel closes a moment before its exit status can be read
                 log.error("front %s exited with code %s: stopping the others", failed.name, failed.exitcode)
                 code = EXIT_FAILED
                 stop(signal.SIGTERM, None)
