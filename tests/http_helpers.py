@@ -149,7 +149,8 @@ class SubprocessServer:
         self.cmd = [sys.executable, "-m", module, *defaults, "--port", str(self.port), *flags]
         # Only this test's VITSERVE_* variables reach the server.
         base = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-        self.env = {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", **(env or {}),
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {**base, "PYTHONPATH": path, "OMP_NUM_THREADS": "2", **(env or {}),
                     "VITSERVE_TEST_BATCH_DELAY_MS": str(batch_delay_ms)}
         self.proc: subprocess.Popen | None = None
 

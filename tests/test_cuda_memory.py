@@ -14,7 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from service.preflight import EXIT_FAILED
+from tests.http_helpers import ServerThread, SubprocessServer, b64, image_bytes, settings
 
 pytestmark = pytest.mark.cuda
 BUDGET_GIB = 4
@@ -83,3 +84,11 @@ def test_a_server_under_a_memory_budget_stays_within_it():
     if used is not None:
         assert used <= limit
     assert 'vitserve_gpu_memory_bytes{gpu="0",kind="graph_pool"}' in metrics
+
+
+def test_a_budget_below_the_weights_refuses_to_start_and_says_what_it_needs():
+    cmd = SubprocessServer("--device", "cuda", "--dtype", "bfloat16", "--max-batch-tokens", "16384",
+                           "--gpu-memory", "1GiB", model=MODEL)
+    code, out = cmd.run_to_exit(timeout=300)
+    assert code == EXIT_FAILED, out[-3000:]
+    assert "--gpu-memory 1GiB (1.00 GiB) is too small" in out and "GiB in all" in out, out[-3000:]
