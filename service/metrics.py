@@ -168,6 +168,10 @@ class Metrics:
         self.render_seconds = Histogram("vitserve_render_duration_seconds",
                                         "Time to encode one response's body in the worker processes",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.worker_wait_seconds = Histogram("vitserve_worker_wait_duration_seconds",
+                                             "Time a job waited for a free worker process, by job (prepare_media: "
+                                             "an item's media; encode_item, encode_safetensors: a response)",
+                                             ["job"], buckets=LATENCY_BUCKETS, registry=r)
         self.gpu_seconds = Histogram("vitserve_gpu_duration_seconds",
                                      "Time of one batch on the device, results copied to the host",
                                      buckets=LATENCY_BUCKETS, registry=r)

@@ -142,6 +142,31 @@ def test_an_abandoned_job_leaves_no_segment_whenever_its_kill_lands(kill_lands: 
         unlink(name)
 
 
+def test_a_response_to_encode_goes_before_media_to_prepare_and_waits_are_reported() -> None:
+    """Finishing a request frees its memory and its slot: a queued priority-0 job runs before priority-1
+    jobs queued earlier by other owners; every dispatch reports how long the job waited."""
+    waits: list[tuple[str, float]] = []
+    order: list[str] = []
+
+    async def scenario(pool: WorkerPool) -> None:
+        pool.on_wait = lambda fn, seconds: waits.append((fn, seconds))
+
+        async def job(owner: str, value: str, priority: int, seconds: float = 0.0) -> None:
+            order.append(await pool.call(Owner(owner), f"{JOBS}:nap", seconds, value, priority=priority))
+
+        first = asyncio.ensure_future(job("a", "busy", 1, 0.3))  # holds the only worker
+        await until(lambda: pool.stats()["busy"] == 1, 10)
+        later = [asyncio.ensure_future(job("b", "media b", 1)), asyncio.ensure_future(job("c", "media c", 1))]
+        await asyncio.sleep(0.05)
+        later.append(asyncio.ensure_future(job("d", "response d", 0)))
+        await asyncio.gather(first, *later)
+
+    run(1, scenario)
+    assert order == ["busy", "response d", "media b", "media c"]
+    assert [fn for fn, _ in waits] == ["nap"] * 4
+    assert waits[1][1] >= 0.15  # "response d" waited for "busy" to finish
+
+
 def test_queued_jobs_of_a_cancelled_owner_never_run() -> None:
     async def scenario(pool: WorkerPool) -> None:
         first, second = Owner("first"), Owner("second")

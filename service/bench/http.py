@@ -330,6 +330,7 @@ STAGES = {
     "queue": "vitserve_queue_duration_seconds",
     "gpu_per_batch": "vitserve_gpu_duration_seconds",
     "render": "vitserve_render_duration_seconds",
+    "worker_wait": "vitserve_worker_wait_duration_seconds",  # per job: a request has two or more
     "items_per_batch": "vitserve_batch_items",
 }
 
@@ -354,7 +355,7 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
     unavailable."""
     samples: dict[str, float] = {}
     for sample in server_metrics(base_url, api_key):
-        if set(sample.labels) <= {"front"}:
+        if set(sample.labels) <= {"front", "job"}:  # summed over fronts, and over jobs for worker_wait
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     totals = {stage: (samples.get(name + "_sum", 0.0), samples.get(name + "_count", 0.0))
               for stage, name in STAGES.items()}

@@ -194,14 +194,14 @@ class Service:
             header = dict(request_id=request_id, model=self.settings.model_name, dtype=out.dtype,
                           include_deepstack=out.include_deepstack, family=self.engine.family)
             length = await workers.call(owner, "service.workers.jobs:encode_safetensors", shared, header,
-                                        model.out_hidden_size, name, leaves=(name,))
+                                        model.out_hidden_size, name, leaves=(name,), priority=0)
             return PartsResponse([take_segment(name, length)], encoders.SAFETENSORS_MEDIA_TYPE, headers)
         targets = [names.next("resp") for _ in results]
         try:
             lengths = await asyncio.gather(*(
                 workers.call(owner, "service.workers.jobs:encode_item", fields, out.encoding_format, out.dtype,
                              out.include_deepstack, model.out_hidden_size, self.engine.family,
-                             model.processor.temporal_patch_size, name, leaves=(name,))
+                             model.processor.temporal_patch_size, name, leaves=(name,), priority=0)
                 for fields, name in zip(shared, targets)))
         except BaseException:
             for name in targets:

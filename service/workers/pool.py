@@ -5,9 +5,11 @@ Why processes: media work runs on untrusted bytes. A runaway decode can be stopp
 memory returned by killing its process, and a crash in a decoder takes down one worker, not the server.
 Processes also spread the work over the host's cores, which threads under one GIL cannot.
 
-- Fairness: jobs queue per owner (one request). A free worker takes the next job of the waiting owner
-  with the fewest jobs running, and among those of the one served least recently, so one request's many
-  items cannot hold every worker while another request waits.
+- Order: jobs queue per owner (one request). A free worker takes the next job of the waiting owner
+  whose next job has the highest priority (a response to encode before media to prepare: finishing a
+  request frees its memory and its slot, starting one adds to both), then with the fewest jobs running,
+  then the one served least recently, so one request's many items cannot hold every worker while
+  another request waits. How long each job waited for a worker goes to `on_wait`.
 - Cancellation: cancelling an owner (its deadline passed, its client left) drops its queued jobs and
   kills the workers running its jobs; a caller whose `call` is cancelled abandons that job the same way.
   A killed worker is replaced at once (forked from a preloaded server process: milliseconds).
@@ -81,6 +83,8 @@ class _Job:
     future: asyncio.Future
     on_ask: Callable[[Any], Any] | None
     leaves: tuple[str, ...] = ()  # shared-memory segments the job creates: unlinked if nobody takes them
+    priority: int = 1  # lower first
+    queued: float = 0.0  # time.monotonic() when called
     worker: _Worker | None = None
 
 
@@ -94,12 +98,14 @@ class _Worker:
 
 
 class WorkerPool:
-    def __init__(self, size: int, *, memory_limit: int | None = None, name: str = "vitserve-worker") -> None:
+    def __init__(self, size: int, *, memory_limit: int | None = None, name: str = "vitserve-worker",
+                 on_wait: Callable[[str, float], None] | None = None) -> None:
         if size < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {size}")
         self.size = size
         self.memory_limit = memory_limit
         self.name = name
+        self.on_wait = on_wait  # (function name, seconds the job waited for a worker)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
@@ -162,17 +168,18 @@ class WorkerPool:
 
     # ---- the caller's side --------------------------------------------------------------------
     async def call(self, owner: Owner, fn: str, *args: Any, on_ask: Callable[[Any], Any] | None = None,
-                   leaves: tuple[str, ...] = ()) -> Any:
+                   leaves: tuple[str, ...] = (), priority: int = 1) -> Any:
         """Run `fn` ("module:function", called as fn(ctx, *args)) in a worker for `owner`; its return value.
         Raises what the job raised if that pickles (input errors), JobFailed for other exceptions, and
         WorkerDied if the worker exited. Cancelling the awaiting task abandons the job (its worker is killed).
         `leaves`: the segments the job writes; an abandoned job's are unlinked once its worker has answered
-        or exited (a worker killed a moment late may still create them)."""
+        or exited (a worker killed a moment late may still create them). `priority`: lower goes first."""
         if owner.cancelled:
             raise asyncio.CancelledError()
         if self._stopping or self.loop is None:
             raise WorkerDied("stopped", "the server is stopping")
-        job = _Job(next(self._ids), owner, fn, args, self.loop.create_future(), on_ask, leaves)
+        job = _Job(next(self._ids), owner, fn, args, self.loop.create_future(), on_ask, leaves, priority,
+                   time.monotonic())
         self._waiting.setdefault(owner, deque()).append(job)
         self.counters["jobs"] += 1
         self._dispatch()
@@ -207,8 +214,8 @@ class WorkerPool:
     # ---- scheduling ---------------------------------------------------------------------------
     def _dispatch(self) -> None:
         while self._idle and self._waiting:
-            # Fewest jobs running first; among equals, the one served least recently (turns).
-            owner = min(self._waiting, key=lambda o: (o.running, o.last_turn))
+            # The most urgent next job; then fewest jobs running; then the one served least recently.
+            owner = min(self._waiting, key=lambda o: (self._waiting[o][0].priority, o.running, o.last_turn))
             queue = self._waiting[owner]
             job = queue.popleft()
             if not queue:
@@ -224,6 +231,8 @@ class WorkerPool:
             worker.job, job.worker = job, worker
             owner.running += 1
             owner.last_turn = next(self._turns)
+            if self.on_wait is not None:
+                self.on_wait(job.fn.rpartition(":")[2], time.monotonic() - job.queued)
 
     def _finish(self, worker: _Worker) -> _Job | None:
         job = worker.job
