@@ -43,11 +43,11 @@ class SegmentNames:
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def open_segment(name: str, writable: bool = False) -> mmap.mmap:
-    fd = os.open(SHM_DIR / name, os.O_RDWR if writable else os.O_RDONLY)
+def open_segment(name: str) -> mmap.mmap:
+    """The whole segment, mapped read-only."""
+    fd = os.open(SHM_DIR / name, os.O_RDONLY)
     try:
-        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE,
-                         prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
 

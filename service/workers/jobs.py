@@ -13,6 +13,7 @@ bug, logged with its traceback by the pool.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +87,22 @@ def load_rows(ref: OutputRef) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype).view(ref.rows, ref.width)
 
 
+def mapped_rows(ref: OutputRef) -> torch.Tensor:
+    """The joined rows over a read-only mapping of the segment, not copied: only read (encoders copy
+    before they convert). The mapping lives as long as the tensor; the segment must outlive the job, as
+    a response's outputs do (they are released once the response is encoded)."""
+    dtype = getattr(torch, ref.dtype)
+    if ref.rows == 0:
+        return torch.empty((0, ref.width), dtype=dtype)
+    raw = np.frombuffer(shm.open_segment(ref.segment), dtype=np.uint8, count=ref.nbytes)
+    with warnings.catch_warnings():  # torch warns that it cannot write here; nothing does
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(raw)
+    return tensor.view(dtype).view(ref.rows, ref.width)
+
+
 def view(result: dict[str, Any], hidden: int, dtype: torch.dtype) -> ItemView:
-    rows = load_rows(result["output"]).to(dtype)
+    rows = mapped_rows(result["output"]).to(dtype)
     levels = [rows[:, j:j + hidden] for j in range(0, rows.shape[1], hidden)]
     return ItemView(result["index"], result["modality"], result["id"], tuple(result["grid_thw"]),  # type: ignore[arg-type]
                     result["num_patches"], result["num_tokens"], result["meta"], levels[0].contiguous(),
