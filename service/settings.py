@@ -257,7 +257,7 @@ class ServeSettings(BaseModel):
         if self.fronts == "auto":
             return len(devices) if len(devices) > 1 and devices[0].startswith("cuda") else 1
         if self.fronts not in (1, len(devices)):
-            raise SettingsError(f"--fronts {self.fronts} with {len(devices)} engines: fronts are 1 or one per engine")
+            raise SettingsError(f"--fronts {self.fronts} with {len(devices)} engine(s): fronts are 1 or one per engine")
         return self.fronts
 
     def for_front(self, index: int, count: int) -> ServeSettings:

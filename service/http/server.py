@@ -96,6 +96,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         check_plan(settings)
+        fronts = settings.front_count()
     except (SettingsError, BudgetError) as exc:
         print(f"vitserve serve: {exc}", file=sys.stderr)
         return EXIT_SETTINGS
@@ -105,9 +106,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"vitserve serve: {exc}", file=sys.stderr)
         return exc.code
     configure_logging(settings.log_level)
-    count = settings.front_count()
-    if count > 1:
-        return run_fronts(settings, sock, count)
+    if fronts > 1:
+        return run_fronts(settings, sock, fronts)
     return serve(settings, sock)
 
 
