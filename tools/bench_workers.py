@@ -26,6 +26,7 @@ from models.presets import PRESETS  # noqa: E402
 from service import shm  # noqa: E402
 from service.bench.http import bench_images  # noqa: E402
 from service.media.image_preprocess import preprocess_image_bytes  # noqa: E402
+from service.media.limits import MediaLimits  # noqa: E402
 from service.workers.pool import Owner, WorkerPool  # noqa: E402
 
 
@@ -41,7 +42,7 @@ async def throughput(workers: int, images: list[bytes], cfg: ProcessorConfig, co
             t0 = time.perf_counter()
             try:
                 await pool.call(owner, "service.workers.jobs:prepare_media", source, len(data), "image", cfg, {},
-                                pixels, on_ask=lambda cost: True)
+                                MediaLimits(), pixels, on_ask=lambda cost: True)
             finally:
                 shm.unlink(source)
                 shm.unlink(pixels)
