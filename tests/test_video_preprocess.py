@@ -24,6 +24,7 @@ from models.config import ProcessorConfig
 from service.media.errors import MediaError
 from service.media.image_preprocess import smart_resize
 from service.media.video_preprocess import (
+    VideoOptions,
     frame_range,
     patchify_video,
     plan_sampling,
@@ -265,7 +266,7 @@ def test_range_and_indices_match_reference(total, video_fps, start, end) -> None
     except ValueError:
         expect = None
     try:
-        plan = plan_sampling(QWEN2, total, video_fps, video_start=start, video_end=end)
+        plan = plan_sampling(QWEN2, total, video_fps, VideoOptions(video_start=start, video_end=end))
     except MediaError as err:
         assert expect is None, err
         assert err.code in ("invalid_option", "too_few_frames")
@@ -275,7 +276,7 @@ def test_range_and_indices_match_reference(total, video_fps, start, end) -> None
 
 def test_range_hand_case() -> None:
     # 10 s at 10 fps, 2 s .. 5 s: frames 20..50 (31 frames) -> 6 frames, evenly spaced.
-    plan = plan_sampling(QWEN2, 100, 10.0, video_start=2.0, video_end=5.0)
+    plan = plan_sampling(QWEN2, 100, 10.0, VideoOptions(video_start=2.0, video_end=5.0))
     assert plan.indices.tolist() == [20, 26, 32, 38, 44, 50]
     assert plan.sample_fps == pytest.approx(6 / 31 * 10)
 
@@ -356,7 +357,7 @@ def test_qwen3_sampling_matches_transformers(total, video_fps, fps, num_frames) 
     else:
         expect = Qwen3VLVideoProcessor.sample_frames(Defaults(), metadata, num_frames=num_frames)
     assert ref_qwen3_indices(total, video_fps, fps, num_frames) == expect.tolist()
-    plan = plan_sampling(QWEN3, total, video_fps, fps=None if num_frames else fps, nframes=num_frames)
+    plan = plan_sampling(QWEN3, total, video_fps, VideoOptions(fps=None if num_frames else fps, nframes=num_frames))
     assert plan.indices.tolist() == expect.tolist()
 
 

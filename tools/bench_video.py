@@ -45,7 +45,7 @@ import transformers
 from models.config import ProcessorConfig
 from models.presets import QWEN3_PRE, QWEN3_VIDEO_PRE
 from service.media.video import VideoReader
-from service.media.video_preprocess import plan_sampling, preprocess_video_bytes
+from service.media.video_preprocess import VideoOptions, plan_sampling, preprocess_video_bytes
 
 WIDTH, HEIGHT, FPS, SECONDS = 1280, 720, 30, 30
 CONFIGS = {
@@ -126,7 +126,7 @@ def bench_ours(data: bytes, runs: int) -> dict[str, Any]:
         res[f"{name}_tokens"] = vi.num_tokens(cfg.merge_size)
         res[f"{name}_resized"] = list(vi.meta["resized"])
     for label, nframes in (("default", None), ("sparse8", 8)):
-        plan = plan_sampling(CONFIGS["qwen2_vl"], info.num_frames, info.fps, nframes=nframes)
+        plan = plan_sampling(CONFIGS["qwen2_vl"], info.num_frames, info.fps, VideoOptions(nframes=nframes))
 
         def decode_only(plan=plan) -> dict[str, int]:
             with VideoReader(data) as reader:
@@ -145,7 +145,7 @@ def bench_sparse_short_gop(data: bytes, runs: int) -> dict[str, Any]:
     """8 frames from a clip with a keyframe every second: jumping skips most of the clip."""
     with VideoReader(data) as reader:
         info = reader.info
-    plan = plan_sampling(CONFIGS["qwen2_vl"], info.num_frames, info.fps, nframes=8)
+    plan = plan_sampling(CONFIGS["qwen2_vl"], info.num_frames, info.fps, VideoOptions(nframes=8))
 
     def decode_only() -> dict[str, int]:
         with VideoReader(data) as reader:

@@ -37,7 +37,7 @@ from service.media.image_preprocess import check_tokens, image_grid
 from service.media.images import read_header
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
 from service.media.video import VideoReader
-from service.media.video_preprocess import check_options, plan_video
+from service.media.video_preprocess import VideoOptions, plan_video
 
 
 @dataclass(frozen=True)
@@ -89,52 +89,14 @@ def estimate_image(
 
 
 def estimate_video(
-    data: bytes | bytearray | memoryview,
-    cfg: ProcessorConfig,
-    *,
-    fps: float | None = None,
-    nframes: int | None = None,
-    min_frames: int | None = None,
-    max_frames: int | None = None,
-    video_start: float | None = None,
-    video_end: float | None = None,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    total_pixels: int | None = None,
-    max_frame_pixels: int | None = None,
-    cap_pixels_per_frame: bool = False,
-    limits: MediaLimits | None = None,
+    data: bytes | bytearray | memoryview, cfg: ProcessorConfig, *, limits: MediaLimits | None = None, **options: Any
 ) -> Estimate:
     """Grid, tokens and decoding work of a video from its header and packet index; MediaError where
     `preprocess_video_bytes` would refuse it before decoding (options, container, stream, limits)."""
-    check_options(
-        fps,
-        nframes,
-        min_frames,
-        max_frames,
-        video_start,
-        video_end,
-        min_pixels,
-        max_pixels,
-        total_pixels,
-        max_frame_pixels,
-    )
-    with VideoReader(data, max_frame_pixels=max_frame_pixels, limits=limits, index_only=True) as reader:
-        plan = plan_video(
-            reader,
-            cfg,
-            limits=reader.limits,
-            fps=fps,
-            nframes=nframes,
-            min_frames=min_frames,
-            max_frames=max_frames,
-            video_start=video_start,
-            video_end=video_end,
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            total_pixels=total_pixels,
-            cap_pixels_per_frame=cap_pixels_per_frame,
-        )
+    opts = VideoOptions(**options)
+    opts.check()
+    with VideoReader(data, max_frame_pixels=opts.max_frame_pixels, limits=limits, index_only=True) as reader:
+        plan = plan_video(reader, cfg, opts, reader.limits)
     return Estimate(
         modality="video",
         grid_thw=plan.grid_thw,

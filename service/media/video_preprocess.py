@@ -287,22 +287,13 @@ def _fps_adjustment(wanted: float, clamped: float, cap: int, count: int) -> str 
 
 
 def plan_sampling(
-    cfg: ProcessorConfig,
-    total_frames: int,
-    video_fps: float,
-    *,
-    fps: float | None = None,
-    nframes: int | None = None,
-    min_frames: int | None = None,
-    max_frames: int | None = None,
-    video_start: float | None = None,
-    video_end: float | None = None,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    total_pixels: int | None = None,
-    cap_pixels_per_frame: bool = False,
+    cfg: ProcessorConfig, total_frames: int, video_fps: float, options: VideoOptions | None = None
 ) -> SamplingPlan:
     """Frame indices and the resize rule for a video with `total_frames` frames at `video_fps`."""
+    o = options or VideoOptions()
+    fps, nframes, min_frames, max_frames = o.fps, o.nframes, o.min_frames, o.max_frames
+    video_start, video_end = o.video_start, o.video_end
+    min_pixels, max_pixels, total_pixels = o.min_pixels, o.max_pixels, o.total_pixels
     if total_frames < 1 or not video_fps > 0:
         raise MediaError(
             reason=f"the video has {total_frames} frames at {video_fps} fps", code=TOO_FEW_FRAMES
@@ -372,7 +363,7 @@ def plan_sampling(
             factor=factor,
             min_pixels=lo_px,
             max_pixels=hi_budget,
-            cap_pixels_per_frame=cap_pixels_per_frame,
+            cap_pixels_per_frame=o.cap_pixels_per_frame,
         )
         tps = cfg.temporal_patch_size
 
@@ -502,59 +493,68 @@ def patchify_video(
 # -- public entry ---------------------------------------------------------------------------------
 
 
-def check_options(
-    fps: float | None,
-    nframes: int | None,
-    min_frames: int | None,
-    max_frames: int | None,
-    video_start: float | None,
-    video_end: float | None,
-    min_pixels: int | None,
-    max_pixels: int | None,
-    total_pixels: int | None,
-    max_frame_pixels: int | None,
-) -> None:
-    """Per-request options come from clients: refuse nonsense with a MediaError, not a crash."""
+@dataclass(frozen=True)
+class VideoOptions:
+    """One video item's options; None takes the config's video default (see `preprocess_video_bytes`)."""
 
-    def bad(reason: str) -> MediaError:
-        return MediaError(reason=reason, code=INVALID_OPTION)
+    fps: float | None = None
+    nframes: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    video_start: float | None = None
+    video_end: float | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+    max_frame_pixels: int | None = None
+    cap_pixels_per_frame: bool = False
 
-    def is_int(x: object) -> bool:
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    def check(self) -> None:
+        """Per-request options come from clients: refuse nonsense with a MediaError, not a crash."""
+        fps, nframes, min_frames, max_frames = self.fps, self.nframes, self.min_frames, self.max_frames
+        video_start, video_end = self.video_start, self.video_end
+        min_pixels, max_pixels, total_pixels = self.min_pixels, self.max_pixels, self.total_pixels
+        max_frame_pixels = self.max_frame_pixels
 
-    def is_num(x: object) -> bool:
-        return (
-            isinstance(x, (int, float, np.integer, np.floating))
-            and not isinstance(x, bool)
-            and math.isfinite(x)
-        )
+        def bad(reason: str) -> MediaError:
+            return MediaError(reason=reason, code=INVALID_OPTION)
 
-    if fps is not None and nframes is not None:
-        raise bad("give fps or nframes, not both")
-    if fps is not None and not (is_num(fps) and fps > 0):
-        raise bad(f"fps must be a positive number, got {fps!r}")
-    if nframes is not None and not (is_int(nframes) and nframes >= 2):
-        raise bad(f"nframes must be an integer >= 2, got {nframes!r}")
-    for name, value in (("min_frames", min_frames), ("max_frames", max_frames)):
-        if value is not None and not (is_int(value) and value >= 1):
-            raise bad(f"{name} must be an integer >= 1, got {value!r}")
-    if min_frames is not None and max_frames is not None and min_frames > max_frames:
-        raise bad(f"min_frames {min_frames} is above max_frames {max_frames}")
-    for name, value in (("video_start", video_start), ("video_end", video_end)):
-        if value is not None and not (is_num(value) and value >= 0):
-            raise bad(f"{name} must be a number of seconds >= 0, got {value!r}")
-    if video_start is not None and video_end is not None and video_start >= video_end:
-        raise bad(f"video_start {video_start} must be before video_end {video_end}")
-    for name, value in (
-        ("min_pixels", min_pixels),
-        ("max_pixels", max_pixels),
-        ("total_pixels", total_pixels),
-        ("max_frame_pixels", max_frame_pixels),
-    ):
-        if value is not None and not (is_int(value) and value >= 1):
-            raise bad(f"{name} must be an integer >= 1, got {value!r}")
-    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-        raise bad(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
+        def is_int(x: object) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            return (
+                isinstance(x, (int, float, np.integer, np.floating))
+                and not isinstance(x, bool)
+                and math.isfinite(x)
+            )
+
+        if fps is not None and nframes is not None:
+            raise bad("give fps or nframes, not both")
+        if fps is not None and not (is_num(fps) and fps > 0):
+            raise bad(f"fps must be a positive number, got {fps!r}")
+        if nframes is not None and not (is_int(nframes) and nframes >= 2):
+            raise bad(f"nframes must be an integer >= 2, got {nframes!r}")
+        for name, value in (("min_frames", min_frames), ("max_frames", max_frames)):
+            if value is not None and not (is_int(value) and value >= 1):
+                raise bad(f"{name} must be an integer >= 1, got {value!r}")
+        if min_frames is not None and max_frames is not None and min_frames > max_frames:
+            raise bad(f"min_frames {min_frames} is above max_frames {max_frames}")
+        for name, value in (("video_start", video_start), ("video_end", video_end)):
+            if value is not None and not (is_num(value) and value >= 0):
+                raise bad(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if video_start is not None and video_end is not None and video_start >= video_end:
+            raise bad(f"video_start {video_start} must be before video_end {video_end}")
+        for name, value in (
+            ("min_pixels", min_pixels),
+            ("max_pixels", max_pixels),
+            ("total_pixels", total_pixels),
+            ("max_frame_pixels", max_frame_pixels),
+        ):
+            if value is not None and not (is_int(value) and value >= 1):
+                raise bad(f"{name} must be an integer >= 1, got {value!r}")
+        if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+            raise bad(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
 
 
 @dataclass(frozen=True)
@@ -604,40 +604,13 @@ def _check_tokens(tokens: int, max_tokens: int, grid: tuple[int, int, int]) -> N
 
 
 def plan_video(
-    reader: VideoReader,
-    cfg: ProcessorConfig,
-    *,
-    limits: MediaLimits | None = None,
-    fps: float | None = None,
-    nframes: int | None = None,
-    min_frames: int | None = None,
-    max_frames: int | None = None,
-    video_start: float | None = None,
-    video_end: float | None = None,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    total_pixels: int | None = None,
-    cap_pixels_per_frame: bool = False,
+    reader: VideoReader, cfg: ProcessorConfig, options: VideoOptions | None = None, limits: MediaLimits | None = None
 ) -> VideoPlan:
     """Sampling, sizes, grid and decoding work of one video from its reader's index (nothing decoded),
-    refused with a MediaError when above `limits`. Options are those of `preprocess_video_bytes`."""
+    refused with a MediaError when above `limits`."""
     limits = limits or DEFAULT_LIMITS
     info = reader.info
-    sampling = plan_sampling(
-        cfg,
-        info.num_frames,
-        info.fps,
-        fps=fps,
-        nframes=nframes,
-        min_frames=min_frames,
-        max_frames=max_frames,
-        video_start=video_start,
-        video_end=video_end,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        total_pixels=total_pixels,
-        cap_pixels_per_frame=cap_pixels_per_frame,
-    )
+    sampling = plan_sampling(cfg, info.num_frames, info.fps, options)
     positions = reader.positions_at(reader.index_times(sampling.indices))
     tps = cfg.temporal_patch_size
     # Pad to a multiple of temporal_patch_size by repeating the last sampled frame.
@@ -680,63 +653,29 @@ def preprocess_video_bytes(
     data: bytes | bytearray | memoryview,
     cfg: ProcessorConfig,
     *,
-    fps: float | None = None,
-    nframes: int | None = None,
-    min_frames: int | None = None,
-    max_frames: int | None = None,
-    video_start: float | None = None,
-    video_end: float | None = None,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    total_pixels: int | None = None,
-    max_frame_pixels: int | None = None,
-    cap_pixels_per_frame: bool = False,
     limits: MediaLimits | None = None,
     threads: int = DEFAULT_DECODE_THREADS,
     workers: int | None = None,
+    **options: Any,
 ) -> VisualInput:
     """Decode, sample, resize and patchify one video; every bad or over-limit input raises MediaError.
 
-    Options override the config's video defaults for this item (None = config). For Qwen3-VL,
-    min_pixels/max_pixels bound T*H*W of the whole clip (size.shortest_edge/longest_edge) and
+    `options` (the fields of `VideoOptions`) override the config's video defaults for this item. For
+    Qwen3-VL, min_pixels/max_pixels bound T*H*W of the whole clip (size.shortest_edge/longest_edge) and
     total_pixels, if given, lowers that upper bound; cap_pixels_per_frame applies transformers'
     optional per-frame cap (Qwen3-VL only). limits: per-item bounds (`MediaLimits`, defaults if None),
     checked on the plan before decoding and by the decoder while it decodes; max_frame_pixels, if
     given, overrides limits.max_frame_pixels. threads: FFmpeg decoder threads (default 1; 0 = one per
     core); workers: resize threads (default min(4, cores)).
     """
-    check_options(
-        fps,
-        nframes,
-        min_frames,
-        max_frames,
-        video_start,
-        video_end,
-        min_pixels,
-        max_pixels,
-        total_pixels,
-        max_frame_pixels,
-    )
+    opts = VideoOptions(**options)
+    opts.check()
     if cfg.in_channels != 3:
         raise ValueError(f"videos are RGB, the config wants {cfg.in_channels} channels")
     limits = limits or DEFAULT_LIMITS
     tps = cfg.temporal_patch_size
-    with VideoReader(data, max_frame_pixels=max_frame_pixels, threads=threads, limits=limits) as reader:
-        plan = plan_video(
-            reader,
-            cfg,
-            limits=reader.limits,
-            fps=fps,
-            nframes=nframes,
-            min_frames=min_frames,
-            max_frames=max_frames,
-            video_start=video_start,
-            video_end=video_end,
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            total_pixels=total_pixels,
-            cap_pixels_per_frame=cap_pixels_per_frame,
-        )
+    with VideoReader(data, max_frame_pixels=opts.max_frame_pixels, threads=threads, limits=limits) as reader:
+        plan = plan_video(reader, cfg, opts, reader.limits)
         slots = plan.slots
         slots_of: dict[int, list[int]] = {}
         for slot, position in enumerate(slots.tolist()):
