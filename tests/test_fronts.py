@@ -96,3 +96,25 @@ def test_front_settings():
         ServeSettings(device="cpu", data_parallel=2, fronts=3)
     with pytest.raises(SettingsError, match="--fronts"):
         ServeSettings.from_sources({"fronts": "0"})
+
+
+def test_both_ctrl_c_reach_every_front_once():
+    """Fronts have their own process group: a terminal's Ctrl-C reaches the supervisor only, which passes
+    each one on, so the first drains every front and the second ends the drains (a lone server's way)."""
+    with SubprocessServer(*FLAGS, batch_delay_ms=1500) as srv:  # each batch waits 1.5 s in its engine
+        with ThreadPoolExecutor(2) as pool:
+            pending = [pool.submit(httpx.post, srv.url + "/encode", json=BODY, timeout=60) for _ in range(2)]
+            time.sleep(0.7)  # the requests are in their fronts' engines
+            for _ in range(2):
+                srv.proc.send_signal(signal.SIGINT)
+                time.sleep(0.3)
+            code, out = srv.wait(30)
+            for f in pending:
+                try:
+                    f.result()
+                except httpx.HTTPError:
+                    pass  # cut off by the second signal
+    assert out.count("passing it on to the fronts (they drain)") == 1, out[-3000:]
+    assert out.count("passing it on to the fronts (they stop)") == 1, out[-3000:]
+    for front in ("front-0", "front-1"):
+        assert f"{front} vitserve.server: signal SIGINT: draining" in out

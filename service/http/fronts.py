@@ -9,10 +9,11 @@ on a private Unix socket, through which a front answering GET /metrics reads its
 (a scrape of the shared port sees the whole server, each series labelled with its `front`), and
 GET /ready asks theirs (the server is ready once every front is).
 
-Signals: SIGTERM or SIGINT to the supervisor is passed on once to every front, which drains (see
-`server.DrainingServer`); fronts sit in their own process group so that Ctrl-C reaches them only
-this way. A front that exits on its own (its engine failed) stops the others, and the supervisor
-exits with its code. Fronts exit if the supervisor dies.
+Signals: SIGTERM and SIGINT to the supervisor are passed on to every front, which handles them as a
+lone server does (`server.DrainingServer`): the first drains, a second ends the drain (SIGINT, a
+second Ctrl-C: at once). Fronts sit in their own process group, so that Ctrl-C reaches them only
+through the supervisor, once. A front that exits on its own (its engine failed)
+stops the others, and the supervisor exits 1. Fronts exit if the supervisor dies.
 """
 
 from __future__ import annotations
@@ -88,13 +89,13 @@ def run_fronts(settings: ServeSettings, sock: socket.socket, count: int) -> int:
         stopping = threading.Event()
 
         def stop(sig: int, _frame: object) -> None:
-            if stopping.is_set():
-                return  # passed on once: a front's own second signal would cut its drain short
+            again = stopping.is_set()
             stopping.set()
-            log.info("signal %s: passing it on to the fronts (they drain)", signal.Signals(sig).name)
+            log.info("signal %s: passing it on to the fronts (%s)", signal.Signals(sig).name,
+                     "they stop" if again else "they drain")
             for p in fronts:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGTERM)
+                    os.kill(p.pid, sig)
 
         previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
