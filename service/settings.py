@@ -13,7 +13,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from models.presets import DEFAULT_MODEL
 
@@ -181,24 +190,16 @@ class ServeSettings(BaseModel):
             return True
         raise ValueError(f"--video-chunking takes on or off, got {value!r}")
 
-    @field_validator("data_parallel", mode="before")
+    @field_validator("data_parallel", "fronts", mode="before")
     @classmethod
-    def _data_parallel(cls, value: Any) -> Any:
+    def _count_or_auto(cls, value: Any, info: ValidationInfo) -> Any:
         text = str(value).strip().lower()
         if text == "auto":
             return "auto"
         if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"--data-parallel takes a number of engines (1 or more) or auto, got {value!r}")
-        return int(text)
-
-    @field_validator("fronts", mode="before")
-    @classmethod
-    def _fronts(cls, value: Any) -> Any:
-        text = str(value).strip().lower()
-        if text == "auto":
-            return "auto"
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"--fronts takes a number of front processes (1 or more) or auto, got {value!r}")
+            what = {"data_parallel": "engines", "fronts": "front processes"}[str(info.field_name)]
+            raise ValueError(f"--{str(info.field_name).replace('_', '-')} takes a number of {what} (1 or more) or "
+                             f"auto, got {value!r}")
         return int(text)
 
     @model_validator(mode="after")

@@ -1,5 +1,8 @@
 """`vitserve serve`: flags, settings, logging, and uvicorn with a drain on SIGTERM.
 
+With several fronts (`--fronts`), this process binds the port and supervises one front process per
+engine (`run_fronts`; fronts.py says how they share the port, /metrics and /ready).
+
 On the first SIGTERM (or Ctrl-C) the server keeps listening: /ready turns 503 and new /encode calls
 get 503 while admitted requests run to completion (at most --request-timeout-s); then uvicorn shuts
 down gracefully and the process exits 0. A second signal exits at once.
@@ -10,10 +13,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing as mp
+import os
 import signal
 import socket
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Sequence
+from multiprocessing.connection import wait
 from types import FrameType
 from typing import Any
 
@@ -23,7 +32,7 @@ from graphs.budgets import BudgetError, BudgetPlan
 from models.presets import DEFAULT_MODEL
 from service.engine.core import Engine
 from service.http.app import Service, create_app
-from service.http.fronts import FrontRole, run_fronts
+from service.http.fronts import FrontRole, bind_unix, unix_socket_paths
 from service.http.protocol import HeadLimits, limited_protocol
 from service.metrics import Metrics
 from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
@@ -188,6 +197,72 @@ def serve(settings: ServeSettings, sock: socket.socket | None = None, front: Fro
                  host, port)
     server.run(sockets=None if sock is None else [sock, *private])
     return server.exit_code
+
+
+# ---- several fronts (see fronts.py) -------------------------------------------------------------
+def run_fronts(settings: ServeSettings, sock: socket.socket, count: int) -> int:
+    """Start `count` fronts on `sock`, pass signals on, and return the exit code (see fronts.py)."""
+    ctx = mp.get_context("spawn")  # each front starts CUDA in its engine process; nothing here is forked
+    with tempfile.TemporaryDirectory(prefix="vitserve-fronts-") as folder:
+        paths = unix_socket_paths(folder, count)
+        fronts = []
+        for i in range(count):
+            role = FrontRole(i, count, paths)
+            p = ctx.Process(target=front_main, name=f"vitserve-front-{i}",
+                            args=(settings.for_front(i, count), sock, role, os.getpid()))
+            p.start()
+            fronts.append(p)
+        log.info("started %d front processes on %s (pids %s)", count, sock.getsockname()[:2],
+                 ", ".join(str(p.pid) for p in fronts))
+        stopping = threading.Event()
+
+        def stop(sig: int, _frame: object) -> None:
+            again = stopping.is_set()
+            stopping.set()
+            log.info("signal %s: passing it on to the fronts (%s)", signal.Signals(sig).name,
+                     "they stop" if again else "they drain")
+            for p in fronts:
+                if p.is_alive():
+                    os.kill(p.pid, sig)
+
+        previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            first = wait([p.sentinel for p in fronts])
+            code = 0
+            if not stopping.is_set():
+                failed = next(p for p in fronts if p.sentinel in first)
+                failed.join(5)  # its sentinel closes a moment before its exit status can be read
+                log.error("front %s exited with code %s: stopping the others", failed.name, failed.exitcode)
+                code = EXIT_FAILED
+                stop(signal.SIGTERM, None)
+            deadline = time.monotonic() + settings.request_timeout_s + 15
+            for p in fronts:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    log.warning("front %s did not stop in time: killing it", p.name)
+                    p.kill()
+                    p.join(5)
+            return code or (EXIT_FAILED if any(p.exitcode for p in fronts) else 0)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def front_main(settings: ServeSettings, sock: socket.socket, role: FrontRole, supervisor: int) -> None:
+    """Entry point of one front process: a whole server on the shared socket and its own Unix socket."""
+    os.setpgrp()  # Ctrl-C reaches the supervisor only, which passes one signal on
+    configure_logging(settings.log_level, f"front-{role.index}")
+    threading.Thread(target=_exit_with_supervisor, args=(supervisor,), name="vitserve-supervisor-watch",
+                     daemon=True).start()
+    private = bind_unix(role.sockets[role.index])
+    sys.exit(serve(settings, sock, role, [private]))
+
+
+def _exit_with_supervisor(supervisor: int) -> None:
+    while os.getppid() == supervisor:
+        time.sleep(1.0)
+    os._exit(1)
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:
