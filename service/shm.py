@@ -14,6 +14,7 @@ import itertools
 import mmap
 import os
 import secrets
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,10 +58,6 @@ def unlink(name: str) -> None:
         os.unlink(SHM_DIR / name)
     except FileNotFoundError:
         pass
-
-
-def array(buf: mmap.mmap | memoryview, dtype: np.dtype | str, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
-    return np.ndarray(shape, dtype=np.dtype(dtype), buffer=buf, offset=offset)
 
 
 def write(name: str, data: bytes | memoryview) -> None:
@@ -137,3 +134,12 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def exit_when_orphaned(parent: int, also: int | None = None) -> None:
+    """Exit this process once `parent` is no longer its parent (and, with `also`, once that process is
+    gone too); run in a daemon thread. A server killed outright cannot stop its children, and a child
+    busy loading would not notice its pipe closing."""
+    while os.getppid() == parent and (also is None or process_alive(also)):
+        time.sleep(1.0)
+    os._exit(0)

@@ -22,7 +22,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, Protocol
@@ -31,6 +30,7 @@ from service.engine.executor import BatchExecutor, serve_jobs
 from service.engine.loading import bind_device, build_runner
 from service.engine.types import BatchJob, ModelInfo
 from service.settings import ServeSettings
+from service.shm import exit_when_orphaned
 
 log = logging.getLogger("vitserve.engine")
 
@@ -262,7 +262,7 @@ def engine_main(index: int, settings: ServeSettings, conn: Connection, parent: i
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     level = logging.DEBUG if settings.log_level == "trace" else getattr(logging, settings.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(parent,), name="vitserve-parent-watch", daemon=True).start()
+    threading.Thread(target=exit_when_orphaned, args=(parent,), name="vitserve-parent-watch", daemon=True).start()
     import torch
 
     if threads:
@@ -299,9 +299,3 @@ def _exit(code: int) -> NoReturn:
     sys.stderr.flush()
     os._exit(code)
 
-
-def _exit_with_parent(parent: int) -> None:
-    # A server killed outright cannot stop us; an engine busy loading would not notice its pipe closing.
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)

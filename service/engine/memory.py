@@ -120,13 +120,12 @@ def capture_bytes_per_token(tower: Any, device: torch.device) -> float:
     activations (still allocated while the capture runs) and the private pool's segment rounding. On an
     H200 (Qwen2.5-VL) that was about twice an eager forward's peak, which a 4 GiB budget sized on one
     forward ran out of in its first capture."""
-    from graphs.budgets import BudgetPlan, GraphKey
+    from graphs.budgets import GraphKey
     from graphs.pool import GraphPool
+    from graphs.runner import plan_for
     from graphs.stats import PoolStats
 
-    plan = BudgetPlan.create(max_batch_tokens=PROBE_TOKENS, budgets=[PROBE_TOKENS], merge_unit=tower.merge_unit,
-                             windows=bool(getattr(tower, "window", 0)),
-                             window_patches=getattr(tower, "window", 0) ** 2 * tower.merge_unit)
+    plan = plan_for(tower, PROBE_TOKENS, [PROBE_TOKENS])
     key = GraphKey("image", PROBE_TOKENS, plan.length_classes(PROBE_TOKENS)[-1])
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

@@ -37,6 +37,7 @@ from service.http.protocol import HeadLimits, limited_protocol
 from service.metrics import Metrics
 from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
 from service.settings import ServeSettings, SettingsError
+from service.shm import exit_when_orphaned
 
 log = logging.getLogger("vitserve.server")
 
@@ -252,16 +253,11 @@ def front_main(settings: ServeSettings, sock: socket.socket, role: FrontRole, su
     """Entry point of one front process: a whole server on the shared socket and its own Unix socket."""
     os.setpgrp()  # Ctrl-C reaches the supervisor only, which passes one signal on
     configure_logging(settings.log_level, f"front-{role.index}")
-    threading.Thread(target=_exit_with_supervisor, args=(supervisor,), name="vitserve-supervisor-watch",
+    threading.Thread(target=exit_when_orphaned, args=(supervisor,), name="vitserve-supervisor-watch",
                      daemon=True).start()
     private = bind_unix(role.sockets[role.index])
     sys.exit(serve(settings, sock, role, [private]))
 
-
-def _exit_with_supervisor(supervisor: int) -> None:
-    while os.getppid() == supervisor:
-        time.sleep(1.0)
-    os._exit(1)
 
 
 

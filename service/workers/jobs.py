@@ -74,19 +74,6 @@ def prepare_media(ctx: Any, source: str, length: int, modality: str, cfg: Proces
 
 
 # ---- responses --------------------------------------------------------------------------------
-def load_rows(ref: OutputRef) -> torch.Tensor:
-    """The joined rows [tokens, width] in the served dtype (a copy: the segment may go right after)."""
-    dtype = getattr(torch, ref.dtype)
-    if ref.rows == 0:
-        return torch.empty((0, ref.width), dtype=dtype)
-    mapping = shm.open_segment(ref.segment)
-    try:
-        raw = np.frombuffer(mapping, dtype=np.uint8, count=ref.nbytes).copy()
-    finally:
-        mapping.close()
-    return torch.from_numpy(raw).view(dtype).view(ref.rows, ref.width)
-
-
 def mapped_rows(ref: OutputRef) -> torch.Tensor:
     """The joined rows over a read-only mapping of the segment, not copied: only read (encoders copy
     before they convert). The mapping lives as long as the tensor; the segment must outlive the job, as
@@ -99,6 +86,11 @@ def mapped_rows(ref: OutputRef) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.from_numpy(raw)
     return tensor.view(dtype).view(ref.rows, ref.width)
+
+
+def load_rows(ref: OutputRef) -> torch.Tensor:
+    """The joined rows in the served dtype, copied: for a caller that outlives the segment."""
+    return mapped_rows(ref).clone()
 
 
 def view(result: dict[str, Any], hidden: int, dtype: torch.dtype) -> ItemView:

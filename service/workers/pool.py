@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from service.shm import process_alive, unlink
+from service.shm import exit_when_orphaned, unlink
 
 log = logging.getLogger("vitserve.workers")
 
@@ -420,7 +420,8 @@ def worker_main(conn: Connection, front_pid: int) -> None:
     except OSError:
         pass
     parent = os.getppid()
-    threading.Thread(target=_exit_with_parent, args=(parent, front_pid), daemon=True).start()
+    # The front killed outright cannot stop us; its fork server exits with it, which re-parents us.
+    threading.Thread(target=exit_when_orphaned, args=(parent, front_pid), daemon=True).start()
     functions: dict[str, Callable[..., Any]] = {}
     while True:
         try:
@@ -450,9 +451,3 @@ def _resolve(path: str) -> Callable[..., Any]:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
-
-def _exit_with_parent(parent: int, front_pid: int) -> None:
-    # The front killed outright cannot stop us; its fork server exits with it, which re-parents us.
-    while os.getppid() == parent and process_alive(front_pid):
-        time.sleep(1.0)
-    os._exit(0)
