@@ -55,7 +55,10 @@ class GraphPool:
         self._warmup: torch.cuda.Stream | None = None
 
     # ---- capture ------------------------------------------------------------------------
-    def capture(self, keys: list[GraphKey]) -> None:
+    def capture(self, keys: list[GraphKey], stop_at_out_of_memory: bool = False) -> None:
+        """Capture `keys`, largest first; a key that fails is served eagerly. With `stop_at_out_of_memory`
+        (a memory budget: the caller captures again with smaller budgets), the first key that runs out
+        of memory ends the capture: every later one would run short in what the failure left behind."""
         start = time.perf_counter()
         is_cuda = self.device.type == "cuda"
         if is_cuda:
@@ -83,6 +86,8 @@ class GraphPool:
                     # A capture that raised leaves its private pool unusable (PyTorch's allocator then
                     # asserts on every later capture into it): the keys after it get a new one.
                     self._mempool = torch.cuda.graph_pool_handle()
+                if stop_at_out_of_memory and isinstance(exc, torch.OutOfMemoryError):
+                    break
         if is_cuda:
             torch.cuda.synchronize(self.device)
             # The warm-up runs' activations sit cached in the ordinary allocator (gigabytes for the

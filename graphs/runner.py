@@ -73,10 +73,11 @@ class GraphRunner:
         """Columns of a joined output row: the main embedding, then each DeepStack level."""
         return self.tower.out_hidden_size * (1 + self.tower.num_deepstack)
 
-    def capture(self) -> None:
+    def capture(self, calibrate: bool = True, stop_at_out_of_memory: bool = False) -> None:
+        """Capture every key of the plan (see `GraphPool.capture`), then `calibrate` on the graphs."""
         if self.use_graphs:
-            self.pool.capture(self.plan.keys(self.modalities))
-            if self.device.type == "cuda" and self.pool.graphs:
+            self.pool.capture(self.plan.keys(self.modalities), stop_at_out_of_memory)
+            if calibrate:
                 self.calibrate()
         else:
             self.stats.graph_mode, self.stats.no_graphs_reason = "off", "graphs disabled (--eager)"
@@ -93,7 +94,10 @@ class GraphRunner:
     def calibrate(self) -> None:
         """Measure what a replay costs beyond its budget's GPU time, and when an eager forward costs its
         launches rather than its arithmetic (see `CostModel`). A small eager forward measures the launch
-        cost; a full batch replayed measures the GPU time per patch; a small replay, the fixed overhead."""
+        cost; a full batch replayed measures the GPU time per patch; a small replay, the fixed overhead.
+        Only CUDA graphs are calibrated: without any, there is no replay to weigh."""
+        if self.device.type != "cuda" or not self.pool.graphs:
+            return
         merge = self.tower.merge
         side = 16 * merge  # a 32x32-patch frame, a typical mid-sized image
         pixels = np.random.default_rng(0).integers(0, 256, (side * side, self.tower.processor.patch_dim), np.uint8)

@@ -93,7 +93,7 @@ class ServerThread:
                 raise RuntimeError("test server did not start")
             time.sleep(0.02)
         if self.wait_ready:
-            wait_ready(self.url)
+            wait_ready(self.url, engine=self.engine)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -119,11 +119,15 @@ def slow_engine(monkeypatch: Any, seconds: float) -> None:
     monkeypatch.setattr(executor.BatchExecutor, "start", slow_start)
 
 
-def wait_ready(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(url: str, timeout: float = 120, proc: subprocess.Popen | None = None,
+               engine: Engine | None = None) -> None:
+    """Until /ready answers 200; fails at once when the server process exits or its engine failed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
+        if engine is not None and engine.state == "failed":
+            raise RuntimeError(f"the engine failed to start: {engine.load_error}")
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import av
@@ -92,3 +93,36 @@ def test_a_budget_below_the_weights_refuses_to_start_and_says_what_it_needs():
     code, out = cmd.run_to_exit(timeout=300)
     assert code == EXIT_FAILED, out[-3000:]
     assert "--gpu-memory 1GiB (1.00 GiB) is too small" in out and "GiB in all" in out, out[-3000:]
+
+
+def test_an_underestimated_budget_backs_off_to_budgets_whose_graphs_fit(monkeypatch, caplog):
+    """The probe made to say a tenth of the truth: the sizing picks budgets whose captures run out of the
+    capped memory, and the engine captures again with the budgets below them, within the budget."""
+    import torch
+
+    from service.engine import memory
+    from service.engine.loading import build_runner
+
+    caplog.set_level(logging.INFO, logger="vitserve.engine")
+    measured = memory.capture_bytes_per_token
+    monkeypatch.setattr(memory, "capture_bytes_per_token", lambda tower, device: measured(tower, device) / 10)
+    limit = BUDGET_GIB * 2**30
+    cfg = settings(model=MODEL, device="cuda", dtype="bfloat16", gpu_memory=f"{BUDGET_GIB}GiB", max_batch_tokens=16384)
+    try:
+        runner = build_runner(cfg)
+        failed = {str(k): why for k, why in runner.pool.failed.items()}
+        report = memory.report(runner, cfg.gpu_memory)
+        print("backed off to", runner.plan.budgets, "memory:", report)
+        assert not failed, failed
+        assert runner.plan.max_budget < 16384
+        assert runner.stats.captured == len(runner.plan.keys(runner.modalities))
+        assert report["peak_reserved"] + report["outside_allocator"] <= limit
+        pixels = np.random.default_rng(0).integers(0, 256, (1024, runner.tower.processor.patch_dim), np.uint8)
+        from models.config import VisualInput
+
+        [out] = runner.encode([VisualInput("image", pixels, (1, 32, 32))])
+        assert out.embeds.shape[0] == 256 and torch.isfinite(out.embeds.float()).all()
+    finally:
+        print("\n".join(r.getMessage() for r in caplog.records if "memory" in r.getMessage()))
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

@@ -237,6 +237,29 @@ def test_injected_capture_failure_is_served_eagerly():
     assert r.stats.eager_items["capture_failed"] == 1
 
 
+def test_under_a_memory_budget_the_first_capture_out_of_memory_ends_the_capture():
+    tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
+    r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("image",))
+    order = sorted(r.plan.keys(r.modalities), key=lambda k: -r.plan.capacity(k).patches)
+    short = next(k for k in order if k.budget == 128)
+    capture_one, tried = r.pool._capture_one, []
+
+    def running_short(key, cap):
+        tried.append(key)
+        if key == short:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 MiB.")
+        return capture_one(key, cap)
+
+    r.pool._capture_one = running_short
+    r.capture(stop_at_out_of_memory=True)
+    assert tried == order[:order.index(short) + 1]  # nothing after the failure was tried
+    assert list(r.pool.failed) == [short] and set(r.pool.graphs) == set(order[:order.index(short)])
+    r2 = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("image",))
+    r2.pool._capture_one = running_short
+    r2.capture()  # without a budget, every other key is still captured
+    assert list(r2.pool.failed) == [short] and len(r2.pool.graphs) == len(order) - 1
+
+
 def test_the_cpu_says_once_that_it_captures_no_cuda_graphs(caplog):
     tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
     r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=128))

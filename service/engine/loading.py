@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -23,7 +24,8 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     bind_device(device)
     tower = load_tower(s.model, device=s.device, dtype=s.dtype, attention=s.attention)
     max_tokens, budgets = s.max_batch_tokens, s.budgets
-    if s.gpu_memory is not None and device.type == "cuda":
+    capped = s.gpu_memory is not None and device.type == "cuda"
+    if capped:
         from service.engine.memory import fit_budget
 
         max_tokens, message = fit_budget(tower, device, s.gpu_memory, s.max_batch_tokens)
@@ -31,19 +33,46 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
         if budgets:
             budgets = [b for b in budgets if b <= max_tokens] or [max_tokens]
     items = min(s.max_batch_items, max_tokens) if s.max_batch_items else None
-    plan = plan_for(tower, max_tokens, budgets, items, s.t_capture)
-    runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
-    log.info("loaded %s (%s) on %s in %.1fs; %s", s.model, tower.family, device, time.perf_counter() - t0,
-             runner.capture_plan())
-    runner.capture()
-    if s.gpu_memory is not None and device.type == "cuda":
-        from service.engine.memory import MemoryBudgetError
+    while True:
+        plan = plan_for(tower, max_tokens, budgets, items, s.t_capture)
+        runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
+        log.info("loaded %s (%s) on %s in %.1fs; %s", s.model, tower.family, device, time.perf_counter() - t0,
+                 runner.capture_plan())
+        # Under a budget, calibration waits for the captures to fit: it runs a full batch, eagerly where
+        # a capture failed, which would run out of the same memory.
+        runner.capture(calibrate=not capped, stop_at_out_of_memory=capped)
+        if not capped:
+            return runner
+        smaller = _budgets_that_fit(runner, s.gpu_memory)
+        if smaller is None:
+            runner.calibrate()
+            return runner
+        # The probe's estimate was off for the larger budgets: serving their keys eagerly would run out
+        # of the same memory, so serve the budgets below the first that did not fit, captured afresh.
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        budgets = smaller
+        max_tokens, items = smaller[-1], min(items, smaller[-1]) if items else None
 
-        short = sorted(str(k) for k, why in runner.pool.failed.items() if "out of memory" in why.lower())
-        if short:  # serving those keys eagerly would run out of the same memory: refuse instead
-            raise MemoryBudgetError(f"--gpu-memory {s.gpu_memory}: {len(short)} graph(s) did not fit when captured "
-                                    f"({', '.join(short[:3])}...); lower --max-batch-tokens or raise --gpu-memory")
-    return runner
+
+def _budgets_that_fit(runner: GraphRunner, setting: str) -> list[int] | None:
+    """None when every capture fitted the memory budget; else the budgets below the smallest one that
+    ran out of memory (MemoryBudgetError when there are none). Captures run largest first and stop at
+    the first that runs out, so each attempt drops the budgets from that one up."""
+    from service.engine.memory import MemoryBudgetError, out_of_memory
+
+    short = sorted((k for k, why in runner.pool.failed.items() if out_of_memory(why)), key=lambda k: k.budget)
+    if not short:
+        return None
+    smaller = [b for b in runner.plan.budgets if b < short[0].budget]
+    names = ", ".join(str(k) for k in short[:3])
+    if not smaller:
+        raise MemoryBudgetError(f"--gpu-memory {setting}: {len(short)} graph(s) did not fit when captured ({names}"
+                                f"{'...' if len(short) > 3 else ''}); lower --max-batch-tokens or raise --gpu-memory")
+    log.warning("--gpu-memory %s: %d graph(s) did not fit when captured (%s%s); capturing again with budgets up to "
+                "%d tokens", setting, len(short), names, "..." if len(short) > 3 else "", smaller[-1])
+    return smaller
 
 
 def bind_device(device: torch.device) -> None:

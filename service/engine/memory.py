@@ -129,17 +129,26 @@ def capture_bytes_per_token(tower: Any, device: torch.device) -> float:
     key = GraphKey("image", PROBE_TOKENS, plan.length_classes(PROBE_TOKENS)[-1])
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved(device)
+    base, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     pool = GraphPool(tower, device, plan, PoolStats())
     pool.capture([key])
     if pool.failed:
-        raise MemoryBudgetError(f"the probe capture of {PROBE_TOKENS} tokens failed: {pool.failed[key]}")
+        why = pool.failed[key]
+        error = MemoryBudgetError if out_of_memory(why) else RuntimeError
+        raise error(f"the probe capture of {PROBE_TOKENS} tokens failed: {why}")
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device)
+    log.info("memory probe: %d tokens captured with a peak of %.0f MiB reserved (%.0f MiB allocated) over the "
+             "weights", PROBE_TOKENS, (peak - base) / MIB, (torch.cuda.max_memory_allocated(device) - allocated) / MIB)
     del pool
     torch.cuda.empty_cache()
     return (peak - base) / PROBE_TOKENS
+
+
+def out_of_memory(failure: str) -> bool:
+    """Whether a capture failure (`GraphPool.failed`'s text) was the device running out of memory."""
+    return "out of memory" in failure.lower()
 
 
 def limit_bytes(setting: str | None, device: torch.device) -> int | None:
@@ -152,7 +161,8 @@ def limit_bytes(setting: str | None, device: torch.device) -> int | None:
 def fit_budget(tower: Any, device: torch.device, setting: str, max_batch_tokens: int) -> tuple[int, str]:
     """The largest token budget (a power of two, at most `max_batch_tokens`) whose graph pool, buffers and
     eager headroom fit `--gpu-memory` beside the weights and the memory outside the allocator; caps the
-    allocator at what the budget leaves it. Returns (budget, a line saying what was chosen and why)."""
+    allocator at what the budget leaves it, before the probe, so that nothing at start-up passes the
+    budget either. Returns (budget, a line saying what was chosen and why)."""
     total = torch.cuda.mem_get_info(device)[1]
     limit = limit_bytes(setting, device)
     assert limit is not None
@@ -162,7 +172,19 @@ def fit_budget(tower: Any, device: torch.device, setting: str, max_batch_tokens:
     allocator_cap = limit - outside - MARGIN
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device)
-    per_token = capture_bytes_per_token(tower, device) * FRAGMENTATION
+
+    def too_small(needed: str) -> MemoryBudgetError:
+        return MemoryBudgetError(
+            f"--gpu-memory {setting} ({limit / GIB:.2f} GiB) is too small: the weights and the CUDA context take "
+            f"{(held + outside) / GIB:.2f} GiB and the smallest graph pool (64 tokens) needs {needed} GiB in all")
+
+    if allocator_cap <= held:
+        raise too_small(f"more than {(held + outside + 2 * MARGIN) / GIB:.2f}")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap / total), device)
+    try:
+        per_token = capture_bytes_per_token(tower, device) * FRAGMENTATION
+    except MemoryBudgetError as exc:  # the probe itself did not fit under the cap
+        raise too_small(f"more than {(held + outside + 2 * MARGIN) / GIB:.2f}") from exc
     room = allocator_cap - held
     budget = 0
     b = 64
@@ -171,13 +193,8 @@ def fit_budget(tower: Any, device: torch.device, setting: str, max_batch_tokens:
         b *= 2
     if max_batch_tokens not in (budget, *(64 * 2**k for k in range(20))) and max_batch_tokens * per_token <= room:
         budget = max_batch_tokens
-    needed = held + outside + 2 * MARGIN + 64 * per_token
     if budget == 0:
-        raise MemoryBudgetError(
-            f"--gpu-memory {setting} ({limit / GIB:.2f} GiB) is too small: the weights and the CUDA context take "
-            f"{(held + outside) / GIB:.2f} GiB and the smallest graph pool (64 tokens) needs {needed / GIB:.2f} GiB "
-            "in all")
-    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap / total), device)
+        raise too_small(f"{(held + outside + 2 * MARGIN + 64 * per_token) / GIB:.2f}")
     full = held + outside + 2 * MARGIN + max_batch_tokens * per_token
     message = (f"--gpu-memory {limit / GIB:.2f} GiB: weights {weights_bytes(tower) / GIB:.2f} GiB, CUDA context and "
                f"libraries {outside / GIB:.2f} GiB, {per_token / 1024:.0f} KiB per token to capture a graph "
