@@ -222,7 +222,9 @@ class WorkerPool:
                 del self._waiting[owner]
             if job.future.done():  # cancelled while queued
                 continue
-            worker = self._idle.popleft()
+            # The worker that finished last: its caches and freed memory are still warm, and a lone
+            # request keeps meeting the same one instead of a cold one in turn.
+            worker = self._idle.pop()
             try:
                 worker.conn.send(("run", job.id, job.fn, job.args))
             except (OSError, ValueError) as exc:  # it just died: its exit handler replaces it
