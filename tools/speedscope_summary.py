@@ -28,8 +28,8 @@ def main() -> None:
 
     for prof in sorted(doc["profiles"], key=lambda p: -len(p.get("samples", []))):
         samples = prof.get("samples", [])
-        weights = prof.get("weights") or [1] * len(samples)
-        total = sum(weights)
+        weights = [1] * len(samples)  # py-spy samples at one rate; its weights are that period in seconds
+        total = len(samples)
         if total < args.min_samples:
             continue
         own: Counter[int] = Counter()
