@@ -8,9 +8,11 @@ tokens. All but the weights and the context grow with the largest token budget.
 
 With a budget, the largest token budget is the largest power of two whose measured needs fit: the
 bytes per token are measured by capturing one probe graph after the weights are loaded, and the
-allocator is capped at what the budget leaves after the memory outside it, so that an eager forward
-that would pass the budget fails alone (an out-of-memory error for its batch) instead of taking memory
-another process on the GPU counts on.
+allocator is capped first at what the budget leaves after the memory outside it, so that an eager
+forward that would pass the budget fails alone (an out-of-memory error for its batch) instead of
+taking memory another process on the GPU counts on. The probe is an estimate (one graph at 1024
+tokens; the full pool holds many): when a capture under the cap runs out of memory all the same, the
+engine captures again with the budgets below it (`loading.build_runner`).
 """
 
 from __future__ import annotations
