@@ -157,25 +157,25 @@ class Service:
         with self.engine.request_slot():
             owner = self.engine.new_request()
             try:
-                return await asyncio.wait_for(self._encode(request, owner), self.settings.request_timeout_s)
+                async with asyncio.timeout(self.settings.request_timeout_s):
+                    # One watcher for the client going away, from the end of the body to the response.
+                    return await self.until_gone(request, self._encode(request, owner, await self.read_body(request)))
             except BaseException:
                 self.engine.cancel(owner)  # whatever it still runs stops: media jobs, queued items, encodes
                 raise
 
-    async def _encode(self, request: Request, owner: Owner) -> Response:
-        body = await self.read_body(request)
+    async def _encode(self, request: Request, owner: Owner, body: bytes) -> Response:
         parsed = await self.parse(request, body)
         del body
-        await self.until_gone(request, self.resolve_urls(parsed))
+        await self.resolve_urls(parsed)
         items = [it.media() for it in parsed.items]
         model = self.engine.model
         assert model is not None  # loaded: handle_encode's check_accepting passed
-        results = await self.until_gone(request, self.handoff.encode(
-            items, parsed.output.encoding_format, model, lambda todo: self.engine.encode(todo, owner),
-            self.run_in_pool))
+        results = await self.handoff.encode(items, parsed.output.encoding_format, model,
+                                            lambda todo: self.engine.encode(todo, owner), self.run_in_pool)
         try:
             started = time.perf_counter()
-            response = await self.until_gone(request, self.render(request, owner, results, parsed.output))
+            response = await self.render(request, owner, results, parsed.output)
             self.metrics.render_seconds.observe(time.perf_counter() - started)
             return response
         finally:
