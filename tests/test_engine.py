@@ -117,6 +117,25 @@ def test_items_reassemble_in_order_across_batches(tower):
         torch.testing.assert_close(embeds, reference(runner, item).embeds, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30])
+def test_media_reach_the_workers_inline_or_through_a_segment_alike(tower, monkeypatch, inline_bytes):
+    from service.engine import core
+
+    monkeypatch.setattr(core, "INLINE_MEDIA_BYTES", inline_bytes)  # 0: every item through a segment
+    runner = make_runner(tower)
+    items = images(3)
+
+    async def body(engine, runner):
+        results = await engine.encode(items)
+        try:
+            return [levels(engine, r)[0].clone() for r in results]
+        finally:
+            engine.release(results)
+
+    for item, embeds in zip(items, run(tower, body, runner)):  # and no segment left behind
+        torch.testing.assert_close(embeds, reference(runner, item).embeds, rtol=1e-4, atol=1e-5)
+
+
 def test_concurrent_requests_share_batches(tower):
     runner = make_runner(tower)
     rec = Recorder(runner)

@@ -190,9 +190,7 @@ class Batcher:
         if flight is None:
             return
         self._outstanding[engine.index] -= flight.job.batch.tokens
-        for it in flight.job.items:
-            shm.unlink(it.pixels)
-        if kind == "done":
+        if kind == "done":  # the engine has unlinked the job's pixels, as it does on "error" too
             _, _, seconds, stats = message
             engine.stats = stats
             self._complete(flight, seconds)

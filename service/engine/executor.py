@@ -3,9 +3,10 @@ own shared-memory segment.
 
 `serve_jobs` drives a `BatchExecutor` with two threads, so that host work overlaps the device's:
 - the dispatch thread takes the next job, reads its items' pixels from their segments into one
-  page-locked buffer, builds its metadata and enqueues the upload, the replay (or eager forward) and ONE copy of
-  the batch's joined output rows back to page-locked memory, then goes on to the next job without
-  waiting: while batch k runs on the device, batch k+1 is staged behind it on the same stream;
+  page-locked buffer (and unlinks the segments), builds its metadata and enqueues the upload, the
+  replay (or eager forward) and ONE copy of the batch's joined output rows back to page-locked
+  memory, then goes on to the next job without waiting: while batch k runs on the device, batch k+1
+  is staged behind it on the same stream;
 - the completion thread waits for each batch's copy (an event, not a device-wide sync), writes every
   item's rows into its output segment and replies.
 The front keeps at most two batches in flight per engine, so one is staged while the other runs.
@@ -69,10 +70,14 @@ class BatchExecutor:
         host = staged.numpy()
         items = []
         offset = 0
-        for it, n in zip(job.items, counts):
-            shm.read_into(it.pixels, host[offset:offset + n])
-            items.append(VisualInput(it.modality, host[offset:offset + n], it.grid_thw))  # type: ignore[arg-type]
-            offset += n
+        try:
+            for it, n in zip(job.items, counts):
+                shm.read_into(it.pixels, host[offset:offset + n])
+                items.append(VisualInput(it.modality, host[offset:offset + n], it.grid_thw))  # type: ignore[arg-type]
+                offset += n
+        finally:  # the job's pixels are this side's once sent: read or not, they go here, off the front's loop
+            for it in job.items:
+                shm.unlink(it.pixels)
         with torch.inference_mode():
             rows = self.runner.run(job.batch, items, staged=staged)
             if self.cuda:

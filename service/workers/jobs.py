@@ -1,7 +1,8 @@
 """What runs in the worker processes (`pool.WorkerPool`): a request's media in, its response body out.
 
-- `prepare_media`: bytes (in a segment) -> estimated cost, asked of the server before any decoding
-  (admission counts it) -> decoded and preprocessed uint8 patches, written to the item's pixel segment.
+- `prepare_media`: bytes (in the message, or a segment for large media) -> estimated cost, asked of the
+  server before any decoding (admission counts it) -> decoded and preprocessed uint8 patches, written
+  to the item's pixel segment.
 - `encode_item`: one item's embedding rows (a segment the engine wrote) -> its JSON entry in the
   requested format and dtype, written to a segment the server streams to the client.
 - `encode_safetensors`: every item of a request -> one safetensors body.
@@ -44,14 +45,15 @@ def _read(segment: str, length: int) -> bytes:
         mapping.close()
 
 
-def prepare_media(ctx: Any, source: str, length: int, modality: str, cfg: ProcessorConfig,
+def prepare_media(ctx: Any, source: bytes | str, length: int, modality: str, cfg: ProcessorConfig,
                   options: dict[str, Any], limits: MediaLimits, pixels: str) -> Prepared:
     """Estimate from the header or container metadata, ask the server to admit that cost, then decode and
-    preprocess within `limits`; the patches go to segment `pixels`."""
+    preprocess within `limits`; the patches go to segment `pixels`. `source`: the media's bytes, or the
+    segment holding them (large media)."""
     from service.media.estimate import estimate_image, estimate_video
 
     t0 = time.perf_counter()
-    data = _read(source, length)
+    data = source if isinstance(source, bytes) else _read(source, length)
     if modality == "image":
         cost = estimate_image(data, cfg, min_pixels=options.get("min_pixels"), max_pixels=options.get("max_pixels"),
                               limits=limits)
