@@ -73,23 +73,47 @@ def check_storage(settings: ServeSettings) -> None:
                            f"({exc.strerror or exc})", EXIT_SETTINGS) from None
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound as uvicorn binds it (address reuse for quick restarts)."""
+def bind(host: str, port: int, count: int = 1) -> list[socket.socket]:
+    """`count` listening sockets on one address, bound as uvicorn binds (address reuse for quick
+    restarts). Several share the port through SO_REUSEPORT, one per front: the kernel spreads new
+    connections evenly over them by their addresses. One shared socket instead left it to whichever
+    front woke first, and 256 keep-alive connections opened together split up to 154/102 (2-core box).
+    The port is first bound alone, so that a port another server listens on is refused even if that
+    server shares its own through SO_REUSEPORT."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def open_one(port: int, share: bool) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if share:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)",
+                               EXIT_SETTINGS) from None
+        return sock
+
+    alone = open_one(port, share=False)
+    if count == 1:
+        return [alone]
+    port = alone.getsockname()[1]  # the port the kernel chose for port 0
+    alone.close()
+    sockets: list[socket.socket] = []
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)",
-                           EXIT_SETTINGS) from None
-    return sock
+        for _ in range(count):
+            sockets.append(open_one(port, share=True))
+    except StartupError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
-def preflight(settings: ServeSettings) -> socket.socket:
-    """Every check above, then the bound socket to serve on; raises StartupError."""
+def preflight(settings: ServeSettings, fronts: int = 1) -> list[socket.socket]:
+    """Every check above, then the bound sockets to serve on, one per front; raises StartupError."""
     check_device(settings.device)
     check_model(settings.model)
     check_storage(settings)
-    return bind(settings.host, settings.port)
+    return bind(settings.host, settings.port, fronts)

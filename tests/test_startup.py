@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.http.server import main
-from service.preflight import EXIT_MODEL, EXIT_SETTINGS
+from service.preflight import EXIT_MODEL, EXIT_SETTINGS, StartupError, bind
 from tests.checkpoints import write_checkpoint
 from tests.http_helpers import ROOT, free_port
 
@@ -120,3 +120,29 @@ def test_settings_problems_exit_2(tmp_path, capsys):
         assert code == EXIT_SETTINGS and "CUDA is not available" in err
     code, err = run(capsys, "--model", "tiny-qwen2-vl", "--device", "tpu")
     assert code == EXIT_SETTINGS and "--device 'tpu'" in err
+
+
+def test_fronts_listen_on_one_port_each_through_its_own_socket():
+    sockets = bind("127.0.0.1", 0, count=3)
+    try:
+        port = sockets[0].getsockname()[1]
+        assert [s.getsockname()[1] for s in sockets] == [port] * 3
+        assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for s in sockets)
+        for s in sockets:
+            s.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # the kernel hands it to one of them
+            pass
+        # a second server on the port is refused, sharing or not
+        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind("127.0.0.1", port, count=2)
+        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind("127.0.0.1", port)
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_a_lone_front_listens_without_sharing_its_port():
+    [sock] = bind("127.0.0.1", 0)
+    with sock:
+        assert not sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)

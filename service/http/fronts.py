@@ -2,12 +2,14 @@
 writing and the event loop's other work use as many cores as there are engines.
 
 The supervisor (the process `vitserve serve` started; `server.run_fronts`) binds the port, starts one
-front process per engine and waits. Every front accepts on the same listening socket, so the kernel
-hands each new connection to a front that is waiting in accept(): an idle front takes more. Each
-front is a whole server (its own engine, worker processes and bounds, see `ServeSettings.for_front`)
-and also listens on a private Unix socket, through which a front answering GET /metrics reads its
-siblings' series (a scrape of the shared port sees the whole server, each series labelled with its
-`front`), and GET /ready asks theirs (the server is ready once every front is).
+front process per engine and waits. Each front listens on its own socket of the port (SO_REUSEPORT,
+`preflight.bind`), and the kernel spreads new connections evenly over them by their addresses: a
+client's keep-alive connections stay with the front they reached, so an uneven split would leave one
+engine short of work for as long as they last. Each front is a whole server (its own engine, worker
+processes and bounds, see `ServeSettings.for_front`) and also listens on a private Unix socket,
+through which a front answering GET /metrics reads its siblings' series (a scrape of the shared port
+sees the whole server, each series labelled with its `front`), and GET /ready asks theirs (the
+server is ready once every front is).
 
 Signals: SIGTERM and SIGINT to the supervisor are passed on to every front, which handles them as a
 lone server does (`server.DrainingServer`): the first drains, a second ends the drain (SIGINT, a

@@ -111,14 +111,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"vitserve serve: {exc}", file=sys.stderr)
         return EXIT_SETTINGS
     try:
-        sock = preflight(settings)
+        sockets = preflight(settings, fronts)
     except StartupError as exc:
         print(f"vitserve serve: {exc}", file=sys.stderr)
         return exc.code
     configure_logging(settings.log_level)
     if fronts > 1:
-        return run_fronts(settings, sock, fronts)
-    return serve(settings, sock)
+        return run_fronts(settings, sockets)
+    return serve(settings, sockets[0])
 
 
 class DrainingServer(uvicorn.Server):
@@ -201,19 +201,21 @@ def serve(settings: ServeSettings, sock: socket.socket | None = None, front: Fro
 
 
 # ---- several fronts (see fronts.py) -------------------------------------------------------------
-def run_fronts(settings: ServeSettings, sock: socket.socket, count: int) -> int:
-    """Start `count` fronts on `sock`, pass signals on, and return the exit code (see fronts.py)."""
+def run_fronts(settings: ServeSettings, sockets: Sequence[socket.socket]) -> int:
+    """Start a front on each of `sockets` (one port), pass signals on, and return the exit code (see
+    fronts.py)."""
     ctx = mp.get_context("spawn")  # each front starts CUDA in its engine process; nothing here is forked
+    count = len(sockets)
     with tempfile.TemporaryDirectory(prefix="vitserve-fronts-") as folder:
         paths = unix_socket_paths(folder, count)
         fronts = []
-        for i in range(count):
+        for i, sock in enumerate(sockets):
             role = FrontRole(i, count, paths)
             p = ctx.Process(target=front_main, name=f"vitserve-front-{i}",
                             args=(settings.for_front(i, count), sock, role, os.getpid()))
             p.start()
             fronts.append(p)
-        log.info("started %d front processes on %s (pids %s)", count, sock.getsockname()[:2],
+        log.info("started %d front processes on %s (pids %s)", count, sockets[0].getsockname()[:2],
                  ", ".join(str(p.pid) for p in fronts))
         stopping = threading.Event()
 
@@ -250,7 +252,7 @@ def run_fronts(settings: ServeSettings, sock: socket.socket, count: int) -> int:
 
 
 def front_main(settings: ServeSettings, sock: socket.socket, role: FrontRole, supervisor: int) -> None:
-    """Entry point of one front process: a whole server on the shared socket and its own Unix socket."""
+    """Entry point of one front process: a whole server on its socket of the port and its own Unix socket."""
     os.setpgrp()  # Ctrl-C reaches the supervisor only, which passes one signal on
     configure_logging(settings.log_level, f"front-{role.index}")
     threading.Thread(target=exit_when_orphaned, args=(supervisor,), name="vitserve-supervisor-watch",
