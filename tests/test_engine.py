@@ -313,11 +313,17 @@ def test_the_window_holds_a_batch_for_items_still_being_prepared(tower):
 
     async def body(engine, runner):
         prepare = engine._prepare
+        first_prepared = asyncio.Event()
 
         async def slowly(request, item, tally):
-            if item.data == slow[0].data:
-                await asyncio.sleep(0.3)  # still preparing when the other request's item is ready
-            return await prepare(request, item, tally)
+            if item.data == slow[0].data:  # still preparing 0.3 s after the other request's item is ready
+                await first_prepared.wait()
+                await asyncio.sleep(0.3)
+                return await prepare(request, item, tally)
+            try:
+                return await prepare(request, item, tally)
+            finally:
+                first_prepared.set()
 
         engine._prepare = slowly
         res = await asyncio.gather(engine.encode(images(1)), engine.encode(slow))
@@ -326,7 +332,7 @@ def test_the_window_holds_a_batch_for_items_still_being_prepared(tower):
         return res[0][0].queue_s
 
     waited = run(tower, body, runner, max_wait_ms=5000)
-    assert rec.batches == [2] and waited >= 0.2  # the first waited for the slow one to join it
+    assert rec.batches == [2] and waited >= 0.25  # the first waited for the slow one to join it
 
 
 def test_cuda_without_an_index_is_resolved_to_the_current_device(monkeypatch) -> None:
