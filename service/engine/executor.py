@@ -68,25 +68,27 @@ class BatchExecutor:
         counts = [t * h * w for t, h, w in (it.grid_thw for it in job.items)]
         staged = torch.empty((sum(counts), self.patch_dim), dtype=torch.uint8, pin_memory=self.cuda)
         host = staged.numpy()
-        items = []
-        offset = 0
         try:
+            items = []
+            offset = 0
             for it, n in zip(job.items, counts):
                 shm.read_into(it.pixels, host[offset:offset + n])
                 items.append(VisualInput(it.modality, host[offset:offset + n], it.grid_thw))  # type: ignore[arg-type]
                 offset += n
-        finally:  # the job's pixels are this side's once sent: read or not, they go here, off the front's loop
+            with torch.inference_mode():
+                rows = self.runner.run(job.batch, items, staged=staged)
+                if self.cuda:
+                    out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                    out.copy_(rows, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+                    return Running(job, out, event, t0)
+            return Running(job, rows.clone(), None, t0)  # the next job reuses the static output
+        finally:
+            # A sent job's pixels are the engine's: read or not, they are unlinked here, not on the
+            # front's event loop, and after the device work is enqueued, not in its way.
             for it in job.items:
                 shm.unlink(it.pixels)
-        with torch.inference_mode():
-            rows = self.runner.run(job.batch, items, staged=staged)
-            if self.cuda:
-                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                return Running(job, host, event, t0)
-        return Running(job, rows.clone(), None, t0)  # the next job reuses the static output
 
     def finish(self, running: Running) -> float:
         """Wait for the job's output copy, write each item's rows to its segment; the job's seconds."""
