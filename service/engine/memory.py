@@ -180,13 +180,14 @@ def fit_budget(tower: Any, device: torch.device, setting: str, max_batch_tokens:
             f"--gpu-memory {setting} ({limit / GIB:.2f} GiB) is too small: the weights and the CUDA context take "
             f"{(held + outside) / GIB:.2f} GiB and the smallest graph pool (64 tokens) needs {needed} GiB in all")
 
+    fixed = held + outside + 2 * MARGIN  # before any graph
     if allocator_cap <= held:
-        raise too_small(f"more than {(held + outside + 2 * MARGIN) / GIB:.2f}")
+        raise too_small(f"more than {fixed / GIB:.2f}")
     torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap / total), device)
     try:
         per_token = capture_bytes_per_token(tower, device) * FRAGMENTATION
     except MemoryBudgetError as exc:  # the probe itself did not fit under the cap
-        raise too_small(f"more than {(held + outside + 2 * MARGIN) / GIB:.2f}") from exc
+        raise too_small(f"more than {fixed / GIB:.2f}") from exc
     room = allocator_cap - held
     budget = 0
     b = 64
@@ -196,8 +197,8 @@ def fit_budget(tower: Any, device: torch.device, setting: str, max_batch_tokens:
     if max_batch_tokens not in (budget, *(64 * 2**k for k in range(20))) and max_batch_tokens * per_token <= room:
         budget = max_batch_tokens
     if budget == 0:
-        raise too_small(f"{(held + outside + 2 * MARGIN + 64 * per_token) / GIB:.2f}")
-    full = held + outside + 2 * MARGIN + max_batch_tokens * per_token
+        raise too_small(f"{(fixed + 64 * per_token) / GIB:.2f}")
+    full = fixed + max_batch_tokens * per_token
     message = (f"--gpu-memory {limit / GIB:.2f} GiB: weights {weights_bytes(tower) / GIB:.2f} GiB, CUDA context and "
                f"libraries {outside / GIB:.2f} GiB, {per_token / 1024:.0f} KiB per token to capture a graph "
                f"(measured at {PROBE_TOKENS} tokens; an eager batch needs less) -> budgets up to {budget} tokens"
