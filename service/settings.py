@@ -34,9 +34,10 @@ CHUNKING_OFF = {"", "off", "none", "false", "0"}
 CHUNKING_ON = {"on", "true", "1", "yes"}
 
 
-def default_workers() -> int:
-    """Worker processes: the cores but two (the event loop and an engine), at least two, at most 16."""
-    return max(2, min(16, (os.cpu_count() or 1) - 2))
+def default_workers(engines: int = 1) -> int:
+    """Worker processes of the whole server: the cores but two per engine (its front's event loop and its
+    engine process), at least two, at most 16 per engine: each engine's images need their own decoding."""
+    return max(2, min(16 * engines, (os.cpu_count() or 1) - 2 * engines))
 
 
 def _split_list(value: Any) -> Any:
@@ -114,7 +115,8 @@ class ServeSettings(BaseModel):
     max_decoded_frames: int = flag("video frames the decoder may be sent for one item (from the keyframes before "
                                    "the sampled frames), 413 above (default 7200)", default=7200, ge=1)
     preprocess_workers: int = flag("worker processes that decode and preprocess media and encode responses "
-                                   "(default: the cores but two, from 2 to 16)", default_factory=default_workers, ge=1)
+                                   "(default: the cores but two per engine, from 2 to 16 per engine)",
+                                   default_factory=default_workers, ge=1)
     worker_max_rss_mib: int = flag("a worker whose memory passes this while it works on an item is killed, and the "
                                    "item refused (default 4096)", default=4096, ge=64)
     allow_url: bool = flag("fetch http(s) media URLs whose host is in --allowed-hosts (default off)", default=False)
@@ -261,6 +263,12 @@ class ServeSettings(BaseModel):
             raise SettingsError(f"--fronts {self.fronts} with {len(devices)} engine(s): fronts are 1 or one per engine")
         return self.fronts
 
+    def worker_processes(self) -> int:
+        """--preprocess-workers as given, else its default for this server's engines."""
+        if "preprocess_workers" in self.model_fields_set:
+            return self.preprocess_workers
+        return default_workers(len(self.engine_devices()))
+
     def for_front(self, index: int, count: int) -> ServeSettings:
         """The settings of front `index` of `count`: its own engine, and its share of what the server bounds
         as a whole (worker processes, connections, request slots, queued tokens, cache bytes)."""
@@ -269,7 +277,7 @@ class ServeSettings(BaseModel):
         share = lambda total: max(1, -(-total // count))  # noqa: E731 - rounded up, at least one
         return self.model_copy(update={
             "data_parallel": 1, "fronts": 1, "device": self.engine_devices()[index],
-            "preprocess_workers": share(self.preprocess_workers),
+            "preprocess_workers": share(self.worker_processes()),
             "max_connections": share(self.max_connections),
             "max_concurrent_requests": share(self.max_concurrent_requests),
             "max_queued_tokens": share(self.max_queued_tokens) if self.max_queued_tokens else None,

@@ -94,6 +94,20 @@ def test_front_settings():
         (3, 50, 5, 2**29)
     with pytest.raises(ValueError, match="fronts are 1 or one per engine"):
         ServeSettings(device="cpu", data_parallel=2, fronts=3)
+
+
+def test_the_default_worker_count_grows_with_the_engines(monkeypatch):
+    """Each engine's images need their own decoding: 16 workers per engine at most, and two cores per engine
+    (its front and its engine process) kept out of the count."""
+    monkeypatch.setattr("service.settings.os.cpu_count", lambda: 32)
+    assert ServeSettings(device="cpu").worker_processes() == 16
+    two = ServeSettings(device="cpu", data_parallel=2, fronts=2)
+    assert two.worker_processes() == 28
+    assert two.for_front(0, 2).worker_processes() == 14
+    assert ServeSettings(device="cpu", data_parallel=2, fronts=1).worker_processes() == 28
+    assert ServeSettings(device="cpu", data_parallel=2, preprocess_workers=6).worker_processes() == 6  # as given
+    monkeypatch.setattr("service.settings.os.cpu_count", lambda: 4)
+    assert ServeSettings(device="cpu", data_parallel=2).worker_processes() == 2  # never below two
     with pytest.raises(SettingsError, match="--fronts"):
         ServeSettings.from_sources({"fronts": "0"})
 

@@ -4,6 +4,7 @@
 #   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
 #   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried);
 #   HTTP_VARIANTS="label=serve flags|...": one run per variant; HTTP_CLIENTS: client processes
+#   HTTP_REQUESTS: a level stops after this many requests or HTTP_LEVEL_S, whichever first (default: time)
 #   HTTP_PYSPY=1: profile that run, server and client, with py-spy (carry its wheel: device-wheels.sh py-spy);
 #   HTTP_PYSPY=gil: sample only the thread holding the GIL (where a GIL-bound server spends it)
 set -uo pipefail
@@ -45,7 +46,7 @@ if [ -n "${HTTP:-}" ]; then
   for variant in "${variants[@]}"; do
     label=${variant%%=*}
     timeout "${HTTP_TIMEOUT:-420}" "${profiler[@]}" python3 -m service.cli bench --http --model "$HTTP" \
-      --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" --requests-per-level "${HTTP_REQUESTS:-512}" \
+      --concurrency "${HTTP_LEVELS:-1,4,16,64,256}" --requests-per-level "${HTTP_REQUESTS:-1000000}" \
       --level-time-s "${HTTP_LEVEL_S:-15}" --client-processes "${HTTP_CLIENTS:-1}" --serve-flags "${variant#*=}" \
       --out "$OUT/http_bench_$label.json" 2>&1 | grep -v RANDOM | tee "$OUT/http_$label.log"
   done

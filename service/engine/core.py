@@ -63,7 +63,7 @@ class Engine:
         self.names = shm.SegmentNames()
         self.backends: list[Backend] = make_backends(settings, runner)
         waits = self.metrics.worker_wait_seconds
-        self.workers = WorkerPool(settings.preprocess_workers, memory_limit=settings.worker_max_rss_mib * 2**20,
+        self.workers = WorkerPool(settings.worker_processes(), memory_limit=settings.worker_max_rss_mib * 2**20,
                                   on_wait=lambda job, seconds: waits.labels(job).observe(seconds))
         self.limits = MediaLimits(max_tokens=settings.max_item_tokens, max_decoded_frames=settings.max_decoded_frames)
         self.batcher = Batcher(settings, self.metrics, self.names, self._dispatched, self._engines_lost)
