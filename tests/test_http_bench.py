@@ -13,13 +13,14 @@ from service.cli import main
 from tests.http_helpers import QuietHandler, free_port, loopback_http_server, server_url
 
 LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
-                "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_engine"}
+                "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_engine",
+                "steady_images_per_s"}
 ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
                  "single_encode_ms", "batch_images", "batch_ms", "batch_preprocess_ms", "batch_encode_ms",
                  "images_per_s", "encode_only_images_per_s", "single_reps", "batch_reps"}
 TARGET_FIELDS = {"reference", "saturation", "engine_replicas", "throughput_ratio", "throughput_ratio_target",
                  "throughput_ratio_met", "latency_concurrency", "latency_p50_ms", "latency_overhead_ms",
-                 "latency_overhead_target_ms", "latency_overhead_met"}
+                 "latency_overhead_target_ms", "latency_overhead_met", "steady_throughput_ratio"}
 
 
 def test_http_bench_on_cpu(tmp_path):
@@ -63,6 +64,9 @@ def test_http_bench_on_cpu(tmp_path):
     best = max(result["levels"], key=lambda lv: lv["images_per_s"])
     assert targets["saturation"] == {"concurrency": best["concurrency"], "images_per_s": best["images_per_s"]}
     assert targets["throughput_ratio"] == pytest.approx(best["images_per_s"] / engine["images_per_s"], abs=1e-3)
+    steady = best["steady_images_per_s"]
+    assert targets["steady_throughput_ratio"] == (None if steady is None else
+                                                  pytest.approx(steady / engine["images_per_s"], abs=1e-3))
     assert targets["latency_p50_ms"] == result["levels"][0]["p50_ms"]
     assert targets["latency_overhead_ms"] == pytest.approx(result["levels"][0]["p50_ms"] - engine["single_ms"],
                                                            abs=1e-3)
@@ -90,9 +94,11 @@ def fake_url():
 def test_run_level_bounds_and_errors(fake_url, client):
     level = http_bench.run_level(fake_url, [b"good", b"bad", b"good"], 3, 30, 60, client=client)
     assert (level["requests"], level["ok"], level["errors"], level["stopped_by"]) == (30, 20, {"500": 10}, "requests")
+    assert level["steady_images_per_s"] is None  # stopped by its count: no time window to count in
     level = http_bench.run_level(fake_url, [b"slow"], 2, 10_000, 0.3, client=client)
     # 2 clients, 20 ms per answer, 0.3 s: at most 30 requests (fewer on a loaded machine), then it stops.
     assert level["stopped_by"] == "time" and level["errors"] == {} and 0 < level["ok"] <= 30
+    assert 0 < level["steady_images_per_s"] <= 2 / 0.02
     assert level["elapsed_s"] < 2 and level["p50_ms"] >= 20
     gone = http_bench.run_level(f"http://127.0.0.1:{free_port()}", [b"x"], 1, 2, 5, client=client)
     assert gone["ok"] == 0 and sum(gone["errors"].values()) == 2  # connection failures are counted, not raised
@@ -129,8 +135,25 @@ def test_url_mode_needs_a_vitserve_info(fake_url, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_steady_rate_counts_only_answers_inside_its_window():
+    ends = [0.5, 1.0, 1.5, 2.0, 2.5, 3.9, 4.0, 4.2]
+    assert http_bench.steady_rate(ends, 1.0, 4.0) == pytest.approx(5 / 3, abs=1e-3)  # 1.0 .. 3.9: start in, stop out
+    assert http_bench.steady_rate(ends, 4.0, 4.0) is None
+
+
 def test_a_level_spread_over_client_processes_counts_every_request():
     with loopback_http_server(FakeEncode) as httpd:
         level = http_bench.run_level(server_url(httpd), [b"{}"], concurrency=4, max_requests=20, time_limit_s=30,
                                      processes=2)
     assert level["requests"] == level["ok"] == 20 and level["errors"] == {} and level["stopped_by"] == "requests"
+
+
+def test_the_summary_says_when_the_saturation_level_stopped_by_its_count(capsys):
+    level = {"concurrency": 256, "requests": 512, "images_per_s": 128.8, "steady_images_per_s": None, "p50_ms": 842.8,
+             "p90_ms": 1065.1, "p99_ms": 1256.3, "errors": {}, "stopped_by": "requests", "elapsed_s": 3.98}
+    engine = {"images_per_s": 235.7, "batch_images": 64, "single_ms": 6.17}
+    result = {"levels": [level], "engine": engine, "targets": http_bench.targets([level], engine)}
+    http_bench.print_summary(result)
+    assert "stopped after 512 requests (4.0 s)" in capsys.readouterr().out
+    http_bench.print_summary({**result, "levels": [{**level, "stopped_by": "time"}]})
+    assert "stopped after" not in capsys.readouterr().out

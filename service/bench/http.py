@@ -243,7 +243,10 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
               processes: int = 1) -> dict[str, Any]:
     """C threads, each on its own connection, send requests back to back until `max_requests` have been
     sent or `time_limit_s` has passed; requests in flight then finish. Throughput is successes over the
-    wall time from the common start to the last answer. `client_cpu_util` is the clients' CPU time over
+    wall time from the common start to the last answer; that wall time includes the start, when every
+    client waits for its first answer at once, and the end, when fewer requests are in flight, so
+    `steady_images_per_s` also counts only the successes from a quarter of the time limit on to its end
+    (levels stopped by time). `client_cpu_util` is the clients' CPU time over
     that wall time, per client process: near 1, a client process itself may be the bottleneck; then
     spread the threads over several `processes` (they start together, at one agreed time)."""
     start_at = time.time() + (2.0 if processes > 1 else 0.2)
@@ -265,10 +268,20 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
     issued = sum(p["issued"] for p in parts)
     wall = max(p["end"] for p in parts) - start_at
     cpu = sum(p["cpu"] for p in parts)
+    stopped_by = "requests" if issued >= max_requests else "time"
+    steady = steady_rate([t for p in parts for t in p["ends"]], start_at + time_limit_s / 4,
+                         start_at + time_limit_s) if stopped_by == "time" else None
     return {"concurrency": concurrency, "requests": issued, "ok": len(latencies), "errors": dict(errors),
             "elapsed_s": round(wall, 4), "images_per_s": round(len(latencies) / wall, 3) if wall > 0 else 0.0,
-            **percentiles_ms(latencies), "stopped_by": "requests" if issued >= max_requests else "time",
+            "steady_images_per_s": steady, **percentiles_ms(latencies), "stopped_by": stopped_by,
             "client_cpu_util": round(cpu / wall / len(parts), 3) if wall > 0 else None}
+
+
+def steady_rate(ends: Sequence[float], start: float, stop: float) -> float | None:
+    """Successes per second among those that ended within [start, stop) (wall-clock times)."""
+    if stop <= start:
+        return None
+    return round(sum(start <= t < stop for t in ends) / (stop - start), 3)
 
 
 def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requests: int, time_limit_s: float,
@@ -277,6 +290,7 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
     lock = threading.Lock()
     issued = 0
     latencies: list[float] = []
+    ends: list[float] = []  # wall-clock time of each success
     errors: Counter[str] = Counter()
     ready = threading.Barrier(concurrency + 1)
     go = threading.Event()
@@ -305,6 +319,7 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
                 with lock:
                     if status == 200:
                         latencies.append(elapsed)
+                        ends.append(time.time())
                     else:
                         errors[str(status)] += 1
         finally:
@@ -319,7 +334,7 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
     go.set()
     for t in threads:
         t.join()
-    return {"latencies": latencies, "errors": dict(errors), "issued": issued, "end": time.time(),
+    return {"latencies": latencies, "ends": ends, "errors": dict(errors), "issued": issued, "end": time.time(),
             "cpu": time.process_time() - cpu0}
 
 
@@ -526,6 +541,8 @@ def targets(levels: list[dict[str, Any]], engine: dict[str, Any], replicas: int 
     best = max(levels, key=lambda lv: lv["images_per_s"])
     reference = engine["images_per_s"] * replicas
     ratio = best["images_per_s"] / reference if reference else None
+    steady = best.get("steady_images_per_s")
+    steady_ratio = steady / reference if reference and steady is not None else None
     lowest = min(levels, key=lambda lv: lv["concurrency"])
     overhead = lowest["p50_ms"] - engine["single_ms"] if lowest["p50_ms"] is not None else None
     return {
@@ -536,6 +553,7 @@ def targets(levels: list[dict[str, Any]], engine: dict[str, Any], replicas: int 
         "throughput_ratio": round(ratio, 3) if ratio is not None else None,
         "throughput_ratio_target": THROUGHPUT_TARGET,
         "throughput_ratio_met": ratio is not None and ratio >= THROUGHPUT_TARGET,
+        "steady_throughput_ratio": round(steady_ratio, 3) if steady_ratio is not None else None,
         "latency_concurrency": lowest["concurrency"],
         "latency_p50_ms": lowest["p50_ms"],
         "latency_overhead_ms": round(overhead, 3) if overhead is not None else None,
@@ -620,7 +638,8 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key))
             level["items_per_batch_by_engine"] = items_per_batch(engines_before, engine_counts(base_url, api_key))
             levels.append(level)
-            log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s  p50 {level['p50_ms']} ms  p90 {level['p90_ms']} "
+            log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s ({level['steady_images_per_s']} steady)  "
+                f"p50 {level['p50_ms']} ms  p90 {level['p90_ms']} "
                 f"ms  p99 {level['p99_ms']} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
                 f"server means {level['server_ms']}")
         return {"server": server, "workload": workload, "engine": engine, "levels": levels}
@@ -677,7 +696,13 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"engine only: {e['images_per_s']:.1f} images/s (batch of {e['batch_images']}), {e['single_ms']:.2f} ms "
           "for one image (preprocessing included)")
     print(f"throughput at saturation / engine: {t['throughput_ratio']} (target >= {THROUGHPUT_TARGET}: "
-          f"{'met' if t['throughput_ratio_met'] else 'missed'})")
+          f"{'met' if t['throughput_ratio_met'] else 'missed'}); after the level's first quarter: "
+          f"{t['steady_throughput_ratio']}")
+    best = max(result["levels"], key=lambda lv: lv["images_per_s"])
+    if best["stopped_by"] == "requests":
+        print(f"note: the c={best['concurrency']} level stopped after {best['requests']} requests "
+              f"({best['elapsed_s']:.1f} s), start included: for a throughput at saturation, give the levels "
+              "time (--level-time-s) and a --requests-per-level they do not reach")
     print(f"p50 at concurrency {t['latency_concurrency']} - engine single image: {t['latency_overhead_ms']} ms "
           f"(target <= {LATENCY_TARGET_MS} ms: {'met' if t['latency_overhead_met'] else 'missed'})")
 
