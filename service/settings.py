@@ -298,6 +298,7 @@ class ServeSettings(BaseModel):
     def public_dict(self) -> dict[str, Any]:
         """For /info and logs: everything except the secret."""
         data = self.model_dump(mode="json", exclude={"api_key", "model_defaulted"})
+        data["preprocess_workers"] = self.worker_processes()  # the count in use, default or given
         data["api_key_set"] = self.api_key is not None
         return data
 

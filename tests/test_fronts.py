@@ -104,7 +104,8 @@ def test_the_default_worker_count_grows_with_the_engines(monkeypatch):
     two = ServeSettings(device="cpu", data_parallel=2, fronts=2)
     assert two.worker_processes() == 28
     assert two.for_front(0, 2).worker_processes() == 14
-    assert ServeSettings(device="cpu", data_parallel=2, fronts=1).worker_processes() == 28
+    one_front = ServeSettings(device="cpu", data_parallel=2, fronts=1)
+    assert one_front.worker_processes() == one_front.public_dict()["preprocess_workers"] == 28
     assert ServeSettings(device="cpu", data_parallel=2, preprocess_workers=6).worker_processes() == 6  # as given
     monkeypatch.setattr("service.settings.os.cpu_count", lambda: 4)
     assert ServeSettings(device="cpu", data_parallel=2).worker_processes() == 2  # never below two
