@@ -168,6 +168,12 @@ class Metrics:
         self.render_seconds = Histogram("vitserve_render_duration_seconds",
                                         "Time to encode one response's body in the worker processes",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.phase_seconds = Histogram("vitserve_request_phase_duration_seconds",
+                                       "Where one /encode request's time went, in order: body (reading it), parse "
+                                       "(validating it, fetching its URLs), prepare (until its last item is decoded "
+                                       "and queued: waiting for workers included), engine (until its last result is "
+                                       "back: queue, device and replies); render has its own histogram",
+                                       ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.worker_wait_seconds = Histogram("vitserve_worker_wait_duration_seconds",
                                              "Time a job waited for a free worker process, by job (prepare_media: "
                                              "an item's media; encode_item, encode_safetensors: a response)",

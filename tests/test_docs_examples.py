@@ -74,3 +74,15 @@ def test_server_command_lines_use_real_flags():
     for words in commands:
         args = words[2:] if words[0] == "vitserve" else words[3:]
         parser.parse_args(["serve", *args])  # exits (fails the test) on an unknown flag
+
+
+def test_every_metric_is_documented():
+    """The metrics table of docs/api.md names every vitserve_* series the server exports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.metrics import Metrics
+
+    families = list(text_string_to_metric_families(Metrics().render().decode()))
+    names = {f.name + ("_total" if f.type == "counter" else "") for f in families if f.name.startswith("vitserve_")}
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert len(names) > 10 and {n for n in names if f"`{n}" not in text} == set()

@@ -54,7 +54,11 @@ def test_http_bench_on_cpu(tmp_path):
         # the server's own means over the level, from its /metrics
         server_ms = level["server_ms"]
         assert set(server_ms) == {"request", "preprocess", "queue", "gpu_per_batch", "render", "worker_wait",
-                                 "items_per_batch", "cpu_cores"}
+                                 "items_per_batch", "cpu_cores", "body", "parse", "prepare_wall", "engine_wall"}
+        # The phases follow each other inside the request (one image per request: nothing overlaps).
+        phases = [server_ms[k] for k in ("body", "parse", "prepare_wall", "engine_wall", "render")]
+        assert all(p > 0 for p in phases) and sum(phases) <= server_ms["request"] * 1.001 + 0.01
+        assert server_ms["prepare_wall"] >= server_ms["preprocess"] and server_ms["engine_wall"] >= server_ms["queue"]
         assert server_ms["cpu_cores"] > 0 and 0 <= server_ms["worker_wait"] < server_ms["request"]
         assert 0 < server_ms["preprocess"] < server_ms["request"] <= level["max_ms"]
         assert 1 <= server_ms["items_per_batch"] <= 2

@@ -338,9 +338,15 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
             "cpu": time.process_time() - cpu0}
 
 
-# Server-side histograms whose mean over a level shows where a request's time went.
+# Server-side histograms whose mean over a level shows where a request's time went ("name@phase": one
+# phase of vitserve_request_phase_duration_seconds).
+PHASES = "vitserve_request_phase_duration_seconds"
 STAGES = {
     "request": "vitserve_request_duration_seconds",
+    "body": f"{PHASES}@body",
+    "parse": f"{PHASES}@parse",
+    "prepare_wall": f"{PHASES}@prepare",  # worker waits, decoding and hops, until the last item is queued
+    "engine_wall": f"{PHASES}@engine",  # queue, device and replies, until the last result is back
     "preprocess": "vitserve_preprocess_duration_seconds",
     "queue": "vitserve_queue_duration_seconds",
     "gpu_per_batch": "vitserve_gpu_duration_seconds",
@@ -370,10 +376,14 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
     unavailable."""
     samples: dict[str, float] = {}
     for sample in server_metrics(base_url, api_key):
-        if set(sample.labels) <= {"front", "job"}:  # summed over fronts, and over jobs for worker_wait
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    totals = {stage: (samples.get(name + "_sum", 0.0), samples.get(name + "_count", 0.0))
-              for stage, name in STAGES.items()}
+        labels = set(sample.labels) - {"phase"}
+        if labels <= {"front", "job"}:  # summed over fronts, and over jobs for worker_wait
+            key = sample.name + (f"@{sample.labels['phase']}" if "phase" in sample.labels else "")
+            samples[key] = samples.get(key, 0.0) + sample.value
+    totals = {}
+    for stage, name in STAGES.items():
+        metric, at, phase = name.partition("@")
+        totals[stage] = (samples.get(f"{metric}_sum{at}{phase}", 0.0), samples.get(f"{metric}_count{at}{phase}", 0.0))
     if "process_cpu_seconds_total" in samples:  # with the time it was read: CPU seconds per second
         totals["cpu"] = (samples["process_cpu_seconds_total"], time.monotonic())
     return totals

@@ -267,6 +267,7 @@ class Engine:
         all of the request's work."""
         self._check_admitted()
         request = request or self.new_request()
+        started = time.monotonic()
         tally = {"tokens": 0}
         jobs = [asyncio.ensure_future(self._prepare(request, it, tally)) for it in items]
         for job in jobs:  # failures after the first are not news
@@ -282,8 +283,12 @@ class Engine:
             finally:
                 self.batcher.preparing -= 1
                 self.batcher.kick()
+            prepared = time.monotonic()
             works.sort(key=lambda w: w.index)
-            return list(await asyncio.gather(*(w.future for w in works)))
+            results = list(await asyncio.gather(*(w.future for w in works)))
+            self.metrics.phase_seconds.labels("prepare").observe(prepared - started)
+            self.metrics.phase_seconds.labels("engine").observe(time.monotonic() - prepared)
+            return results
         except BaseException:
             self.cancel(request)
             for job in jobs:

@@ -158,16 +158,21 @@ class Service:
             owner = self.engine.new_request()
             try:
                 async with asyncio.timeout(self.settings.request_timeout_s):
+                    started = time.perf_counter()
+                    body = await self.read_body(request)
+                    self.metrics.phase_seconds.labels("body").observe(time.perf_counter() - started)
                     # One watcher for the client going away, from the end of the body to the response.
-                    return await self.until_gone(request, self._encode(request, owner, await self.read_body(request)))
+                    return await self.until_gone(request, self._encode(request, owner, body))
             except BaseException:
                 self.engine.cancel(owner)  # whatever it still runs stops: media jobs, queued items, encodes
                 raise
 
     async def _encode(self, request: Request, owner: Owner, body: bytes) -> Response:
+        started = time.perf_counter()
         parsed = await self.parse(request, body)
         del body
         await self.resolve_urls(parsed)
+        self.metrics.phase_seconds.labels("parse").observe(time.perf_counter() - started)
         items = [it.media() for it in parsed.items]
         model = self.engine.model
         assert model is not None  # loaded: handle_encode's check_accepting passed
