@@ -14,7 +14,7 @@ from tests.http_helpers import QuietHandler, free_port, loopback_http_server, se
 
 LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
                 "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_engine",
-                "steady_images_per_s"}
+                "steady_images_per_s", "in_flight_mean", "start_late_s"}
 ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
                  "single_encode_ms", "batch_images", "batch_ms", "batch_preprocess_ms", "batch_encode_ms",
                  "images_per_s", "encode_only_images_per_s", "single_reps", "batch_reps"}
@@ -103,6 +103,7 @@ def test_run_level_bounds_and_errors(fake_url, client):
     # 2 clients, 20 ms per answer, 0.3 s: at most 30 requests (fewer on a loaded machine), then it stops.
     assert level["stopped_by"] == "time" and level["errors"] == {} and 0 < level["ok"] <= 30
     assert 0 < level["steady_images_per_s"] <= 2 / 0.02
+    assert 0 < level["in_flight_mean"] <= 2 and 0 <= level["start_late_s"] < 1
     assert level["elapsed_s"] < 2 and level["p50_ms"] >= 20
     gone = http_bench.run_level(f"http://127.0.0.1:{free_port()}", [b"x"], 1, 2, 5, client=client)
     assert gone["ok"] == 0 and sum(gone["errors"].values()) == 2  # connection failures are counted, not raised

@@ -269,12 +269,17 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
     wall = max(p["end"] for p in parts) - start_at
     cpu = sum(p["cpu"] for p in parts)
     stopped_by = "requests" if issued >= max_requests else "time"
+    # Little's law: the requests in flight on average. Well under `concurrency`, the clients spent time
+    # between requests (or started late: `start_late_s`), and the level measured them, not the server.
+    in_flight = sum(latencies) / wall if wall > 0 else None
     steady = steady_rate([t for p in parts for t in p["ends"]], start_at + time_limit_s / 4,
                          start_at + time_limit_s) if stopped_by == "time" else None
     return {"concurrency": concurrency, "requests": issued, "ok": len(latencies), "errors": dict(errors),
             "elapsed_s": round(wall, 4), "images_per_s": round(len(latencies) / wall, 3) if wall > 0 else 0.0,
             "steady_images_per_s": steady, **percentiles_ms(latencies), "stopped_by": stopped_by,
-            "client_cpu_util": round(cpu / wall / len(parts), 3) if wall > 0 else None}
+            "client_cpu_util": round(cpu / wall / len(parts), 3) if wall > 0 else None,
+            "in_flight_mean": round(in_flight, 1) if in_flight is not None else None,
+            "start_late_s": round(max(p["late_s"] for p in parts), 3)}
 
 
 def steady_rate(ends: Sequence[float], start: float, stop: float) -> float | None:
@@ -331,11 +336,12 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
     ready.wait(60)  # every client is built: creating 256 of them is not part of the measurement
     time.sleep(max(0.0, start_at - time.time()))
     cpu0 = time.process_time()
+    started = time.time()
     go.set()
     for t in threads:
         t.join()
     return {"latencies": latencies, "ends": ends, "errors": dict(errors), "issued": issued, "end": time.time(),
-            "cpu": time.process_time() - cpu0}
+            "cpu": time.process_time() - cpu0, "late_s": started - start_at}
 
 
 # Server-side histograms whose mean over a level shows where a request's time went ("name@phase": one
@@ -651,6 +657,7 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s ({level['steady_images_per_s']} steady)  "
                 f"p50 {level['p50_ms']} ms  p90 {level['p90_ms']} "
                 f"ms  p99 {level['p99_ms']} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
+                f"in flight {level['in_flight_mean']} (clients late {level['start_late_s']} s); "
                 f"server means {level['server_ms']}")
         return {"server": server, "workload": workload, "engine": engine, "levels": levels}
 
