@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -248,3 +250,12 @@ def test_workers_exit_when_the_pool_stops() -> None:
         time.sleep(0.05)
     assert not any(alive(p) for p in pids)
     assert os.getpid() not in pids
+
+
+def test_workers_run_one_torch_thread_and_leave_the_servers_alone() -> None:
+    """A worker is one core's worth of work. The server unpickles the workers' results, which imports
+    their module: that import must not set the server's threads, which its CPU engine runs on."""
+    assert run(1, lambda pool: pool.call(Owner("t"), f"{JOBS}:torch_threads")) == 1
+    code = "import torch; torch.set_num_threads(2); import service.workers.jobs; print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "2"

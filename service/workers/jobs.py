@@ -26,8 +26,6 @@ from service import shm
 from service.engine.types import ItemView, OutputRef
 from service.media.limits import MediaLimits
 
-torch.set_num_threads(1)  # a worker is one core's worth of work; the pool spreads them
-
 
 @dataclass
 class Prepared:

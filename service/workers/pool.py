@@ -417,6 +417,9 @@ def _keep_freed_memory() -> None:
 def worker_main(conn: Connection, front_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
+    import torch
+
+    torch.set_num_threads(1)  # a worker is one core's worth of work; the pool spreads them
     try:
         os.nice(5)  # the event loop and the engines win the cores when they are contended
     except OSError:

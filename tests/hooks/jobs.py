@@ -62,3 +62,9 @@ def write_segment(ctx: Any, name: str, seconds: float) -> str:
     time.sleep(seconds)
     shm.write(name, b"pixels")
     return name
+
+
+def torch_threads(ctx: Any) -> int:
+    import torch
+
+    return torch.get_num_threads()
