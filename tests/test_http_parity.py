@@ -8,6 +8,7 @@ eager forward, and through transformers' `get_image_features` in fp32.
 from __future__ import annotations
 
 import base64
+import glob
 import io
 import json
 import struct
@@ -233,3 +234,60 @@ def test_video_over_http():
     assert multipart.status_code == 200, multipart.text
     assert multipart.json()["data"][0]["type"] == "video"
     close(torch.tensor(multipart.json()["data"][0]["embedding"]), want.embeds)
+
+
+@pytest.mark.parametrize("where", ["front", "workers"])
+def test_a_response_is_the_same_whether_the_front_or_a_worker_encodes_it(served, monkeypatch, where):
+    """A request alone in its front has its body encoded there; others have it encoded in the workers.
+    Every format and dtype comes out byte for byte the same either way (less the request id; a
+    safetensors header's keys come in no set order, so that body is compared once parsed)."""
+    fam, srv = served
+    service = srv.app.state.service
+    datas = [image_bytes(120, 90, seed=3, fmt="JPEG"), image_bytes(64, 200, seed=4, fmt="PNG")]
+    items = [{"type": "image", "image": b64(d)} for d in datas]
+    asks = [({"encoding_format": fmt, "dtype": dtype, "include_deepstack": True}, {})
+            for fmt in ("float", "base64") for dtype in ("float32", "bfloat16", "float16")]
+    asks += [({"encoding_format": "vllm"}, {}),
+             ({"include_deepstack": True}, {"Accept": "application/vnd.safetensors"})]
+
+    def bodies() -> list:
+        out = []
+        with srv.client() as c:
+            for options, headers in asks:
+                r = c.post("/encode", json={"items": items, **options}, headers=headers)
+                assert r.status_code == 200, r.text
+                request_id = r.headers["x-request-id"].encode()
+                body = r.content.replace(request_id, b"ID")
+                if headers:
+                    (n,) = struct.unpack("<Q", r.content[:8])
+                    tensors = {k: v.tolist() for k, v in load_safetensors(r.content).items()}
+                    body = (json.loads(r.content[8:8 + n].replace(request_id, b"ID"))["__metadata__"], tensors)
+                out.append(body)
+        return out
+
+    calls: list[str] = []
+    workers = service.engine.workers
+    monkeypatch.setattr(workers, "call", _recording(workers.call, calls))
+    monkeypatch.setattr(service, "renders_here", lambda *_: where == "front")
+    got = bodies()
+    encodes = [c for c in calls if c.endswith(("encode_item", "encode_safetensors"))]
+    assert (encodes == []) == (where == "front")  # the forced path is the one that ran
+    monkeypatch.setattr(service, "renders_here", lambda *_: where != "front")
+    assert bodies() == got
+    assert glob.glob(f"/dev/shm/{service.engine.names.prefix}*") == []  # no segment left behind
+
+
+def _recording(call, calls: list[str]):
+    async def recorded(owner, fn, *args, **kwargs):
+        calls.append(fn)
+        return await call(owner, fn, *args, **kwargs)
+    return recorded
+
+
+def test_a_response_is_encoded_in_the_front_only_when_alone_small_and_not_float_lists():
+    from service.http.app import RENDER_HERE_BYTES, renders_here
+
+    assert renders_here(1, "base64", 1 << 20) and renders_here(1, "safetensors", RENDER_HERE_BYTES)
+    assert not renders_here(2, "base64", 1 << 20)  # another request is in flight: the loop is theirs too
+    assert not renders_here(1, "float", 1 << 10)  # formatted in Python: a worker's job
+    assert not renders_here(1, "vllm", RENDER_HERE_BYTES + 1)

@@ -4,8 +4,9 @@
   server before any decoding (admission counts it) -> decoded and preprocessed uint8 patches, written
   to the item's pixel segment.
 - `encode_item`: one item's embedding rows (a segment the engine wrote) -> its JSON entry in the
-  requested format and dtype, written to a segment the server streams to the client.
-- `encode_safetensors`: every item of a request -> one safetensors body.
+  requested format and dtype (`item_json`), written to a segment the server streams to the client.
+- `encode_safetensors`: every item of a request -> one safetensors body (`safetensors_file`).
+The server runs `item_json` and `safetensors_file` itself for a request that is alone in its front.
 
 Input problems raise `MediaError` (a client error: the pool hands it back as it is); anything else is a
 bug, logged with its traceback by the pool.
@@ -101,25 +102,34 @@ def view(result: dict[str, Any], hidden: int, dtype: torch.dtype) -> ItemView:
                     [lv.contiguous() for lv in levels[1:]], rows, result.get("content_id"), result.get("uuid"))
 
 
-def encode_item(ctx: Any, result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int,
-                family: str, temporal_patch_size: int, out: str) -> int:
-    """One item's JSON entry into segment `out`; returns its length in bytes."""
+def item_json(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int, family: str,
+              temporal_patch_size: int) -> bytes:
+    """One item's JSON entry in a response."""
     from service.http import encoders
 
     item = view(result, hidden, encoders.DTYPES[dtype])
-    body = encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
+    return encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
                                                       temporal_patch_size))
+
+
+def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidden: int) -> bytes:
+    """Every item of a request as one safetensors body."""
+    from service.http import encoders
+
+    items = [view(r, hidden, encoders.DTYPES[header["dtype"]]) for r in results]
+    return encoders.safetensors_body(items, **header)
+
+
+def encode_item(ctx: Any, out: str, *args: Any) -> int:
+    """`item_json` into segment `out`; returns its length in bytes."""
+    body = item_json(*args)
     shm.write(out, body)
     return len(body)
 
 
-def encode_safetensors(ctx: Any, results: list[dict[str, Any]], header: dict[str, Any], hidden: int,
-                       out: str) -> int:
-    """Every item of a request as one safetensors body into segment `out`; returns its length."""
-    from service.http import encoders
-
-    items = [view(r, hidden, encoders.DTYPES[header["dtype"]]) for r in results]
-    body = encoders.safetensors_body(items, **header)
+def encode_safetensors(ctx: Any, out: str, *args: Any) -> int:
+    """`safetensors_file` into segment `out`; returns its length in bytes."""
+    body = safetensors_file(*args)
     shm.write(out, body)
     return len(body)
 
