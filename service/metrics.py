@@ -166,7 +166,8 @@ class Metrics:
                                             "Decoding and preprocessing time of one item",
                                             buckets=LATENCY_BUCKETS, registry=r)
         self.render_seconds = Histogram("vitserve_render_duration_seconds",
-                                        "Time to encode one response's body in the worker processes",
+                                        "Time to encode one response's body in the worker processes (or in the server, "
+                                        "for a request alone in flight)",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.phase_seconds = Histogram("vitserve_request_phase_duration_seconds",
                                        "Where one /encode request's time went, in order: body (reading it), parse "
