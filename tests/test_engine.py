@@ -245,6 +245,33 @@ def test_preprocessing_errors_name_the_item(tower):
     run(tower, body)
 
 
+def test_an_item_prepared_as_its_sibling_fails_leaves_no_pixels_or_tokens(tower):
+    """The item fails and, in the same turn of the loop, its sibling's media finish preparing. The request
+    fails before that sibling is queued; the sibling's pixels and admitted tokens must not stay behind
+    (`run` checks that no segment is left)."""
+    async def body(engine, runner):
+        real = engine._prepare
+        prepared, failing = asyncio.Event(), asyncio.Event()
+
+        async def prepare(request, item, tally):
+            if item.index == 1:
+                await prepared.wait()
+                failing.set()  # wakes the sibling, which then finishes behind this failure
+                raise ItemError(1, "refused", "unsupported_format")
+            work = await real(request, item, tally)
+            prepared.set()
+            await failing.wait()
+            return work
+
+        engine._prepare = prepare
+        with pytest.raises(ItemError):
+            await engine.encode(images(2))
+        await asyncio.sleep(0.05)
+        return engine._reserved
+
+    assert run(tower, body) == 0
+
+
 def test_states_refuse_work(tower):
     engine = Engine(settings())  # never started
 

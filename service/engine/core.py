@@ -296,6 +296,11 @@ class Engine:
             for w in works:  # results that came back before the failure
                 if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
                     shm.unlink(w.future.result().output.segment)
+            queued = {id(w) for w in works}
+            for job in jobs:  # prepared as the failure came, never queued: its pixels and tokens are ours
+                if job.done() and not job.cancelled() and job.exception() is None and id(job.result()) not in queued:
+                    shm.unlink(job.result().pixels)
+                    self._release(job.result().tokens)
             raise
 
     def cancel(self, request: Owner) -> None:
