@@ -252,6 +252,25 @@ def test_workers_exit_when_the_pool_stops() -> None:
     assert os.getpid() not in pids
 
 
+def test_a_job_still_running_when_the_pool_stops_leaves_no_segment() -> None:
+    """Stopping fails the running job at once, but its worker may still write the segment before it exits:
+    the pool unlinks the job's `leaves` once the workers are gone."""
+    name = f"{SEGMENT_PREFIX}{os.getpid()}_test_stop_leaves"
+
+    async def scenario(pool: WorkerPool) -> None:
+        task = asyncio.ensure_future(pool.call(Owner("r"), f"{JOBS}:write_segment", name, 0.3, leaves=(name,)))
+        await until(lambda: pool.stats()["busy"] == 1, 10)
+        pool.stop()  # run() stops it again: a no-op
+        with pytest.raises(WorkerDied):
+            await task
+
+    try:
+        run(1, scenario)
+        assert not (SHM_DIR / name).exists()
+    finally:
+        unlink(name)
+
+
 def test_workers_run_one_torch_thread_and_leave_the_servers_alone() -> None:
     """A worker is one core's worth of work. The server unpickles the workers' results, which imports
     their module: that import must not set the server's threads, which its CPU engine runs on."""

@@ -163,6 +163,8 @@ class WorkerPool:
                 worker.process.kill()
                 worker.process.join(1)
             worker.conn.close()
+            if worker.job is not None:  # failed above; what its worker wrote before exiting has no taker
+                _unlink_all(worker.job.leaves)
         self._workers.clear()
         self._idle.clear()
 
