@@ -122,14 +122,15 @@ def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidd
 
 def encode_item(ctx: Any, out: str, *args: Any) -> int:
     """`item_json` into segment `out`; returns its length in bytes."""
-    body = item_json(*args)
-    shm.write(out, body)
-    return len(body)
+    return _written(out, item_json(*args))
 
 
 def encode_safetensors(ctx: Any, out: str, *args: Any) -> int:
     """`safetensors_file` into segment `out`; returns its length in bytes."""
-    body = safetensors_file(*args)
+    return _written(out, safetensors_file(*args))
+
+
+def _written(out: str, body: bytes) -> int:
     shm.write(out, body)
     return len(body)
 
