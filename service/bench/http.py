@@ -715,7 +715,7 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"throughput at saturation / engine: {t['throughput_ratio']} (target >= {THROUGHPUT_TARGET}: "
           f"{'met' if t['throughput_ratio_met'] else 'missed'}); after the level's first quarter: "
           f"{t['steady_throughput_ratio']}")
-    best = max(result["levels"], key=lambda lv: lv["images_per_s"])
+    best = next(lv for lv in result["levels"] if lv["concurrency"] == t["saturation"]["concurrency"])
     if best["stopped_by"] == "requests":
         print(f"note: the c={best['concurrency']} level stopped after {best['requests']} requests "
               f"({best['elapsed_s']:.1f} s), start included: for a throughput at saturation, give the levels "
