@@ -4,6 +4,7 @@ concurrency levels, the engine-only reference in this process, and the loopback-
 from __future__ import annotations
 
 import json
+import multiprocessing
 import time
 
 import pytest
@@ -151,6 +152,24 @@ def test_a_level_spread_over_client_processes_counts_every_request():
         level = http_bench.run_level(server_url(httpd), [b"{}"], concurrency=4, max_requests=20, time_limit_s=30,
                                      processes=2)
     assert level["requests"] == level["ok"] == 20 and level["errors"] == {} and level["stopped_by"] == "requests"
+
+
+def test_client_processes_start_together_however_slowly_they_spawn(monkeypatch):
+    # Each spawned client process imports the main module (the CLI's imports torch): on a loaded host that
+    # took seconds. The level must start once every process is ready, not at a time fixed before.
+    spawn = multiprocessing.context.SpawnProcess
+    original = spawn.start
+
+    def slow_start(self: multiprocessing.process.BaseProcess) -> None:
+        original(self)
+        time.sleep(1.5)
+
+    monkeypatch.setattr(spawn, "start", slow_start)
+    with loopback_http_server(FakeEncode) as httpd:
+        level = http_bench.run_level(server_url(httpd), [b"slow"], concurrency=4, max_requests=10**6,
+                                     time_limit_s=1.0, processes=2)
+    assert level["errors"] == {} and level["start_late_s"] < 0.5
+    assert level["in_flight_mean"] >= 3  # 4 clients, each with a request out nearly all the time
 
 
 def test_the_summary_says_when_the_saturation_level_stopped_by_its_count(capsys):

@@ -249,18 +249,21 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
     (levels stopped by time). `client_cpu_util` is the clients' CPU time over
     that wall time, per client process: near 1, a client process itself may be the bottleneck; then
     spread the threads over several `processes` (they start together, at one agreed time)."""
-    start_at = time.time() + (2.0 if processes > 1 else 0.2)
     shares = [(concurrency * (k + 1)) // processes - (concurrency * k) // processes for k in range(processes)]
     quotas = [(max_requests * (k + 1)) // processes - (max_requests * k) // processes for k in range(processes)]
-    args = [(base_url, bodies, c, q, time_limit_s, api_key, timeout_s, client, start_at)
+    args = [(base_url, bodies, c, q, time_limit_s, api_key, timeout_s, client)
             for c, q in zip(shares, quotas) if c > 0]
     if len(args) == 1:
-        parts = [_client_threads(*args[0])]
-    else:
-        import multiprocessing as mp
+        start_at = 0.0
 
-        with mp.get_context("spawn").Pool(len(args)) as pool:
-            parts = pool.starmap(_client_threads, args)
+        def start() -> float:
+            nonlocal start_at
+            start_at = time.time() + 0.2
+            return start_at
+
+        parts = [_client_threads(*args[0], start=start)]
+    else:
+        start_at, parts = _client_processes(args, wait_s=time_limit_s + timeout_s + 60)
     latencies = [x for p in parts for x in p["latencies"]]
     errors: Counter[str] = Counter()
     for p in parts:
@@ -289,9 +292,54 @@ def steady_rate(ends: Sequence[float], start: float, stop: float) -> float | Non
     return round(sum(start <= t < stop for t in ends) / (stop - start), 3)
 
 
+def _client_processes(args: list[tuple[Any, ...]], wait_s: float) -> tuple[float, list[dict[str, Any]]]:
+    """Runs each share of a level in its own process. The start time is agreed only once every process
+    has imported its modules and built its threads: a start fixed beforehand came up to 2 s late on a
+    loaded host (each spawned process imports the main module, hence torch), and a level then measured
+    fewer clients than it named."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    built = ctx.Barrier(len(args) + 1)
+    go = ctx.Event()
+    start_value = ctx.Value("d", 0.0)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(a, built, go, start_value, results), daemon=True) for a in args]
+    for proc in procs:
+        proc.start()
+    try:
+        try:
+            built.wait(120)
+        except threading.BrokenBarrierError as exc:
+            raise BenchError("the client processes did not start within 120 s") from exc
+        start_value.value = start_at = time.time() + 0.2
+        go.set()
+        try:
+            parts = [results.get(timeout=wait_s) for _ in procs]
+        except queue.Empty as exc:
+            raise BenchError(f"a client process sent no result within {wait_s:.0f} s") from exc
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    return start_at, parts
+
+
+def _client_process(args: tuple[Any, ...], built: Any, go: Any, start_value: Any, results: Any) -> None:
+    def start() -> float:
+        built.wait(120)
+        go.wait(120)
+        return start_value.value
+
+    results.put(_client_threads(*args, start=start))
+
+
 def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requests: int, time_limit_s: float,
-                    api_key: str | None, timeout_s: float, client: str, start_at: float) -> dict[str, Any]:
-    """One client process's share of a level: its threads start at `start_at` (wall-clock time)."""
+                    api_key: str | None, timeout_s: float, client: str, start: Callable[[], float]) -> dict[str, Any]:
+    """One client process's share of a level. Once its threads are built, `start()` gives the agreed
+    start time (wall clock), which every process shares."""
     lock = threading.Lock()
     issued = 0
     latencies: list[float] = []
@@ -299,7 +347,7 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
     errors: Counter[str] = Counter()
     ready = threading.Barrier(concurrency + 1)
     go = threading.Event()
-    deadline = start_at + time_limit_s
+    deadline = 0.0
 
     def worker() -> None:
         nonlocal issued
@@ -334,6 +382,8 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
     for t in threads:
         t.start()
     ready.wait(60)  # every client is built: creating 256 of them is not part of the measurement
+    start_at = start()
+    deadline = start_at + time_limit_s
     time.sleep(max(0.0, start_at - time.time()))
     cpu0 = time.process_time()
     started = time.time()
