@@ -180,8 +180,14 @@ class Metrics:
                                              "an item's media; encode_item, encode_safetensors: a response)",
                                              ["job"], buckets=LATENCY_BUCKETS, registry=r)
         self.gpu_seconds = Histogram("vitserve_gpu_duration_seconds",
-                                     "Time of one batch on the device, results copied to the host",
+                                     "Time of one batch in its engine: from staging its pixels (while the "
+                                     "batch before it may still run) to its outputs written",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.device_seconds = Histogram("vitserve_device_duration_seconds",
+                                        "Device time of one batch alone: from its start on the device (or the "
+                                        "previous batch's end) to its results on the host. Its sum's rate is "
+                                        "how busy the engines are (1 per engine at most)",
+                                        buckets=LATENCY_BUCKETS, registry=r)
         self.queue_items = Gauge("vitserve_queue_items", "Items ready and waiting for an engine", registry=r)
         self.queue_tokens = Gauge("vitserve_queue_tokens", "Merged tokens admitted and not yet on an engine "
                                   "(estimated before decoding; the bound of --max-queued-tokens)", registry=r)

@@ -13,6 +13,7 @@ import torch
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
 from service.engine.core import Engine
+from service.engine.executor import BatchExecutor
 from service.engine.types import EngineFailure, ItemError, ItemResult, MediaItem, NotReady, Overloaded, RequestRejected
 from service.media.image_preprocess import preprocess_image_bytes
 from service.workers.jobs import load_rows
@@ -178,6 +179,41 @@ def test_a_cancelled_request_never_reaches_the_device(tower):
 
     assert run(tower, body, runner, max_wait_ms=0, max_batch_items=1) == 3
     assert rec.batches == [1, 1]
+
+
+def test_a_batch_writing_its_outputs_leaves_its_device_slot_to_the_next(tower, monkeypatch):
+    # A batch whose rows are on the host no longer holds one of the engine's two device slots: while its
+    # outputs are written, two more batches are staged and run.
+    runner = make_runner(tower, max_wait_ms=0, max_batch_items=1)
+    rec = Recorder(runner)
+    writing, gate = threading.Event(), threading.Event()
+    finish = BatchExecutor.finish
+
+    def held_finish(self, running):
+        if not writing.is_set():
+            writing.set()
+            gate.wait(30)
+        return finish(self, running)
+
+    monkeypatch.setattr(BatchExecutor, "finish", held_finish)
+
+    async def body(engine, runner):
+        requests = [asyncio.ensure_future(engine.encode(images(1, seed=k))) for k in range(3)]
+        for _ in range(1000):
+            if len(rec.batches) == 3:
+                break
+            await asyncio.sleep(0.01)
+        ran_while_writing = len(rec.batches)
+        gate.set()
+        for res in await asyncio.gather(*requests):
+            engine.release(res)
+        registry = engine.metrics.registry
+        return (ran_while_writing, registry.get_sample_value("vitserve_device_duration_seconds_count"),
+                registry.get_sample_value("vitserve_device_duration_seconds_sum"))
+
+    ran_while_writing, device_batches, device_s = run(tower, body, runner, max_wait_ms=0, max_batch_items=1)
+    assert ran_while_writing == 3
+    assert device_batches == 3 and device_s > 0  # each batch's compute time, measured in the engine
 
 
 def test_failed_batch_fails_its_request_and_the_engine_goes_on(tower):

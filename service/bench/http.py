@@ -405,7 +405,8 @@ STAGES = {
     "engine_wall": f"{PHASES}@engine",  # queue, device and replies, until the last result is back
     "preprocess": "vitserve_preprocess_duration_seconds",
     "queue": "vitserve_queue_duration_seconds",
-    "gpu_per_batch": "vitserve_gpu_duration_seconds",
+    "gpu_per_batch": "vitserve_gpu_duration_seconds",  # staged to written: includes the batch before it
+    "device_per_batch": "vitserve_device_duration_seconds",
     "render": "vitserve_render_duration_seconds",
     "worker_wait": "vitserve_worker_wait_duration_seconds",  # per job: a request has two or more
     "items_per_batch": "vitserve_batch_items",
@@ -440,18 +441,24 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
     for stage, name in STAGES.items():
         metric, at, phase = name.partition("@")
         totals[stage] = (samples.get(f"{metric}_sum{at}{phase}", 0.0), samples.get(f"{metric}_count{at}{phase}", 0.0))
+    read_at = time.monotonic()
+    totals["read_at"] = (read_at, 0.0)
     if "process_cpu_seconds_total" in samples:  # with the time it was read: CPU seconds per second
-        totals["cpu"] = (samples["process_cpu_seconds_total"], time.monotonic())
+        totals["cpu"] = (samples["process_cpu_seconds_total"], read_at)
     return totals
 
 
 def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Mean of each stage over the level (ms; items for items_per_batch), and the server process's CPU
+    """Mean of each stage over the level (ms; items for items_per_batch), the server process's CPU
     use over it in cores (`cpu_cores`: near 1 with idle cores left means one thread, or the GIL, is the
-    limit)."""
+    limit) and how busy its devices were (`device_busy`: device seconds per second, summed over the
+    engines: at most their number)."""
     out = {}
     if "cpu" in before and "cpu" in after and after["cpu"][1] > before["cpu"][1]:
         out["cpu_cores"] = round((after["cpu"][0] - before["cpu"][0]) / (after["cpu"][1] - before["cpu"][1]), 2)
+    if "read_at" in before and "read_at" in after and after["read_at"][0] > before["read_at"][0]:
+        busy = after["device_per_batch"][0] - before["device_per_batch"][0]
+        out["device_busy"] = round(busy / (after["read_at"][0] - before["read_at"][0]), 3)
     for stage in STAGES:
         if stage not in before or stage not in after:
             continue

@@ -1,7 +1,8 @@
 """The batcher: the one home of the batching policy, on the event loop.
 
 Items arrive with their pixels ready in shared memory. Whenever an engine has room (at most
-`MAX_INFLIGHT` batches each: one running, one staged behind it) the batcher takes the queue, packs it
+`MAX_INFLIGHT` batches each on its device: one running, one staged behind it; a batch whose outputs
+are still being written does not count) the batcher takes the queue, packs it
 (`graphs.packing.pack`: token budgets, splits over smaller budgets, replay or eager by the engine's
 measured costs) and hands the batches to the engines with the fewest outstanding tokens; what finds
 no room goes back to the queue and is packed again, with whatever arrived meanwhile, at the next
@@ -67,6 +68,7 @@ class _InFlight:
     job: BatchJob
     works: list[Work]
     dispatched: float
+    on_device: bool = True  # until the engine says "free"
 
 
 class Batcher:
@@ -120,9 +122,11 @@ class Batcher:
     def _publish(self) -> None:
         self.metrics.queue_items.set(len(self.queue))
 
+    def _on_device(self, engine: Backend) -> int:
+        return sum(f.engine is engine and f.on_device for f in self._inflight.values())
+
     def _free(self) -> list[Backend]:
-        return [e for e in self.engines if e.state == "ready"
-                and sum(f.engine is e for f in self._inflight.values()) < MAX_INFLIGHT]
+        return [e for e in self.engines if e.state == "ready" and self._on_device(e) < MAX_INFLIGHT]
 
     def _tick(self) -> None:
         self._scheduled = False
@@ -167,7 +171,7 @@ class Batcher:
         self._publish()
 
     def _pick(self, free: list[Backend]) -> Backend | None:
-        room = [e for e in free if sum(f.engine is e for f in self._inflight.values()) < MAX_INFLIGHT]
+        room = [e for e in free if self._on_device(e) < MAX_INFLIGHT]
         return min(room, key=lambda e: (self._outstanding[e.index], e.index), default=None)
 
     def _send(self, engine: Backend, batch: Any, members: list[Work]) -> None:
@@ -186,13 +190,20 @@ class Batcher:
     # ---- results ------------------------------------------------------------------------------
     def _on_reply(self, engine: Backend, message: tuple) -> None:
         kind = message[0]
+        if kind == "free":  # the batch left the device: another may be staged while its outputs are written
+            freed = self._inflight.get(message[1])
+            if freed is not None:
+                freed.on_device = False
+                self.kick()
+            return
         flight = self._inflight.pop(message[1], None) if kind in ("done", "error") else None
         if flight is None:
             return
         self._outstanding[engine.index] -= flight.job.batch.tokens
         if kind == "done":  # the engine has unlinked the job's pixels, as it does on "error" too
-            _, _, seconds, stats = message
+            _, _, seconds, device_s, stats = message
             engine.stats = stats
+            self.metrics.device_seconds.observe(device_s)
             self._complete(flight, seconds)
         else:
             _, _, error_id, text, code = message

@@ -7,9 +7,11 @@ own shared-memory segment.
   replay (or eager forward) and ONE copy of the batch's joined output rows back to page-locked
   memory, then goes on to the next job without waiting: while batch k runs on the device, batch k+1
   is staged behind it on the same stream;
-- the completion thread waits for each batch's copy (an event, not a device-wide sync), writes every
-  item's rows into its output segment and replies.
-The front keeps at most two batches in flight per engine, so one is staged while the other runs.
+- the completion thread waits for each batch's copy (an event, not a device-wide sync), says the
+  batch has left the device ("free": the front may stage another behind the one now running), then
+  writes every item's rows into its output segment and replies ("done").
+The front keeps at most two batches per engine on the device, so one is staged while the other runs;
+writing a batch's outputs (a fresh segment per item) does not hold that slot.
 The same loop runs in an engine process (the GPU; `backends.ProcessBackend`) and in a thread of the
 server (the CPU; `backends.LocalBackend`).
 """
@@ -39,6 +41,8 @@ class Running:
     rows: torch.Tensor  # the joined output rows on the host (page-locked on CUDA), filled by `event`
     event: torch.cuda.Event | None
     started: float
+    begun: torch.cuda.Event | None = None  # recorded before the batch's upload
+    device_s: float = 0.0  # the CPU's compute time (CUDA: measured by the events in `wait`)
 
 
 class BatchExecutor:
@@ -49,6 +53,7 @@ class BatchExecutor:
         self.patch_dim = runner.tower.processor.patch_dim
         self.gpu_memory = gpu_memory
         self._memory: tuple[float, dict | None] = (0.0, None)
+        self._last_done: torch.cuda.Event | None = None  # the previous batch's end on the device
 
     def stats(self) -> dict:
         """The pool's counters, and the device memory (read at most once a second: NVML is not free)."""
@@ -68,6 +73,7 @@ class BatchExecutor:
         counts = [t * h * w for t, h, w in (it.grid_thw for it in job.items)]
         staged = torch.empty((sum(counts), self.patch_dim), dtype=torch.uint8, pin_memory=self.cuda)
         host = staged.numpy()
+        begun = None
         try:
             items = []
             offset = 0
@@ -76,24 +82,39 @@ class BatchExecutor:
                 items.append(VisualInput(it.modality, host[offset:offset + n], it.grid_thw))  # type: ignore[arg-type]
                 offset += n
             with torch.inference_mode():
+                if self.cuda:
+                    begun = torch.cuda.Event(enable_timing=True)
+                    begun.record()
+                run_at = time.perf_counter()
                 rows = self.runner.run(job.batch, items, staged=staged)
                 if self.cuda:
                     out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
                     out.copy_(rows, non_blocking=True)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=True)
                     event.record()
-                    return Running(job, out, event, t0)
-            return Running(job, rows.clone(), None, t0)  # the next job reuses the static output
+                    return Running(job, out, event, t0, begun)
+            # The next job reuses the static output.
+            return Running(job, rows.clone(), None, t0, device_s=time.perf_counter() - run_at)
         finally:
             # A sent job's pixels are the engine's: read or not, they are unlinked here, not on the
             # front's event loop, and after the device work is enqueued, not in its way.
             for it in job.items:
                 shm.unlink(it.pixels)
 
+    def wait(self, running: Running) -> float:
+        """Wait until the job has left the device (its rows are on the host); its device seconds: from
+        its start there, or the previous job's end if it queued behind it, to its rows' arrival."""
+        if running.event is None or running.begun is None:
+            return running.device_s
+        running.event.synchronize()
+        ms = running.begun.elapsed_time(running.event)
+        if self._last_done is not None:
+            ms = min(ms, self._last_done.elapsed_time(running.event))
+        self._last_done = running.event
+        return ms / 1000
+
     def finish(self, running: Running) -> float:
-        """Wait for the job's output copy, write each item's rows to its segment; the job's seconds."""
-        if running.event is not None:
-            running.event.synchronize()
+        """Write each item's rows to its segment (after `wait`); the job's seconds since it was staged."""
         raw = running.rows.view(torch.uint8).numpy() if running.rows.numel() else None
         offset = 0
         written: list[str] = []
@@ -114,8 +135,9 @@ class BatchExecutor:
 
 def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
                reply: Callable[[tuple], None], name: str = "vitserve-complete") -> None:
-    """Run jobs from `receive` (None: stop) until it stops; replies ("done", job id, seconds, pool stats)
-    or ("error", job id, error id, message, code) through `reply`, which may be called from two threads."""
+    """Run jobs from `receive` (None: stop) until it stops; replies ("free", job id) once a job has left
+    the device, then ("done", job id, seconds, device seconds, pool stats) or ("error", job id, error id,
+    message, code), through `reply`, which may be called from two threads."""
     lock = threading.Lock()
     pending: queue.Queue[Running | None] = queue.Queue()
 
@@ -126,8 +148,10 @@ def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
     def complete() -> None:
         while (running := pending.get()) is not None:
             try:
+                device_s = executor.wait(running)
+                send(("free", running.job.id))
                 seconds = executor.finish(running)
-                send(("done", running.job.id, seconds, executor.stats()))
+                send(("done", running.job.id, seconds, device_s, executor.stats()))
             except Exception as exc:
                 send(_failure(running.job, exc))
 
