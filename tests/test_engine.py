@@ -12,6 +12,7 @@ import torch
 
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
+from service.engine.batcher import MAX_INFLIGHT
 from service.engine.core import Engine
 from service.engine.executor import BatchExecutor
 from service.engine.types import EngineFailure, ItemError, ItemResult, MediaItem, NotReady, Overloaded, RequestRejected
@@ -163,8 +164,8 @@ def test_a_cancelled_request_never_reaches_the_device(tower):
     rec.gate = threading.Event()
 
     async def body(engine, runner):
-        busy = [asyncio.ensure_future(engine.encode(images(1, seed=k))) for k in range(2)]
-        while len(engine.batcher._inflight) < 2:  # both of the engine's slots taken, the first held at the gate
+        busy = [asyncio.ensure_future(engine.encode(images(1, seed=k))) for k in range(MAX_INFLIGHT)]
+        while len(engine.batcher._inflight) < MAX_INFLIGHT:  # the engine's slots taken, the first held at the gate
             await asyncio.sleep(0.01)
         doomed = asyncio.ensure_future(engine.encode(images(3, seed=5)))
         while len(engine.batcher.queue) < 3:
@@ -178,12 +179,12 @@ def test_a_cancelled_request_never_reaches_the_device(tower):
         return engine.metrics.cancelled._value.get()
 
     assert run(tower, body, runner, max_wait_ms=0, max_batch_items=1) == 3
-    assert rec.batches == [1, 1]
+    assert rec.batches == [1] * MAX_INFLIGHT
 
 
 def test_a_batch_writing_its_outputs_leaves_its_device_slot_to_the_next(tower, monkeypatch):
-    # A batch whose rows are on the host no longer holds one of the engine's two device slots: while its
-    # outputs are written, two more batches are staged and run.
+    # A batch whose rows are on the host no longer holds one of the engine's device slots: while its
+    # outputs are written, as many more batches as there are slots are staged and run.
     runner = make_runner(tower, max_wait_ms=0, max_batch_items=1)
     rec = Recorder(runner)
     writing, gate = threading.Event(), threading.Event()
@@ -198,9 +199,9 @@ def test_a_batch_writing_its_outputs_leaves_its_device_slot_to_the_next(tower, m
     monkeypatch.setattr(BatchExecutor, "finish", held_finish)
 
     async def body(engine, runner):
-        requests = [asyncio.ensure_future(engine.encode(images(1, seed=k))) for k in range(3)]
+        requests = [asyncio.ensure_future(engine.encode(images(1, seed=k))) for k in range(MAX_INFLIGHT + 1)]
         for _ in range(1000):
-            if len(rec.batches) == 3:
+            if len(rec.batches) == MAX_INFLIGHT + 1:
                 break
             await asyncio.sleep(0.01)
         ran_while_writing = len(rec.batches)
@@ -212,8 +213,8 @@ def test_a_batch_writing_its_outputs_leaves_its_device_slot_to_the_next(tower, m
                 registry.get_sample_value("vitserve_device_duration_seconds_sum"))
 
     ran_while_writing, device_batches, device_s = run(tower, body, runner, max_wait_ms=0, max_batch_items=1)
-    assert ran_while_writing == 3
-    assert device_batches == 3 and device_s > 0  # each batch's compute time, measured in the engine
+    assert ran_while_writing == MAX_INFLIGHT + 1
+    assert device_batches == MAX_INFLIGHT + 1 and device_s > 0  # each batch's compute time, measured in the engine
 
 
 def test_failed_batch_fails_its_request_and_the_engine_goes_on(tower):
@@ -239,8 +240,8 @@ def test_admission_counts_estimated_tokens_before_decoding(tower):
     item = [MediaItem(0, "image", image_bytes(200, 150))]  # 35 tokens
 
     async def body(engine, runner):
-        busy = [asyncio.ensure_future(engine.encode(item)) for _ in range(2)]
-        while len(engine.batcher._inflight) < 2:
+        busy = [asyncio.ensure_future(engine.encode(item)) for _ in range(MAX_INFLIGHT)]
+        while len(engine.batcher._inflight) < MAX_INFLIGHT:
             await asyncio.sleep(0.01)
         queued = [asyncio.ensure_future(engine.encode(item)) for _ in range(2)]
         while engine._reserved < 70:
@@ -258,7 +259,7 @@ def test_admission_counts_estimated_tokens_before_decoding(tower):
         return engine.workers.counters["jobs"], engine._reserved
 
     jobs, reserved = run(tower, body, runner, max_queued_tokens=100, max_wait_ms=0, max_batch_items=1)
-    assert reserved == 0 and jobs == 6
+    assert reserved == 0 and jobs == MAX_INFLIGHT + 2 + 2  # one per request, the two refused ones included
 
 
 def test_preprocessing_errors_name_the_item(tower):

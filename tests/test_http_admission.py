@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from service.engine import backends
+from service.engine.batcher import MAX_INFLIGHT
 from tests.http_helpers import ServerThread, b64, image_bytes, settings, slow_engine
 
 IMAGE = image_bytes(200, 150, seed=3)  # 35 tokens with tiny-qwen2-vl
@@ -57,10 +58,10 @@ def test_429_when_the_queue_is_full(monkeypatch):
     slow_engine(monkeypatch, 1.0)
     cfg = settings(max_queued_tokens=100, max_wait_ms=0, max_batch_items=1)
     with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(6) as pool:
-        busy = [post_in_background(srv.url, pool) for _ in range(2)]  # the engine's two batches in flight
-        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2)
+        busy = [post_in_background(srv.url, pool) for _ in range(MAX_INFLIGHT)]  # the engine's slots all taken
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == MAX_INFLIGHT)
         wait_for(lambda: metric(c, "vitserve_items_total", '{modality="image"}') == 0
-                 and metric(c, "vitserve_queue_tokens") == 0)  # both on the engine, none run yet
+                 and metric(c, "vitserve_queue_tokens") == 0)  # all on the engine, none run yet
         queued = [post_in_background(srv.url, pool) for _ in range(2)]  # 70 tokens queued
         wait_for(lambda: metric(c, "vitserve_queue_tokens") == 70)
         r = c.post("/encode", json=BODY)  # 70 + 35 > 100
@@ -68,7 +69,7 @@ def test_429_when_the_queue_is_full(monkeypatch):
         assert r.json()["error"]["type"] == "overloaded"
         big = c.post("/encode", json={"items": [{"type": "image", "image": b64(image_bytes(400, 400))}]})
         assert big.status_code == 422 and big.json()["error"]["code"] == "too_many_tokens"
-        assert [f.result().status_code for f in [*busy, *queued]] == [200] * 4
+        assert [f.result().status_code for f in [*busy, *queued]] == [200] * (MAX_INFLIGHT + 2)
         assert c.post("/encode", json=BODY).status_code == 200
 
 
@@ -86,9 +87,9 @@ def test_429_over_concurrent_requests(monkeypatch):
 def test_504_and_the_timed_out_items_are_dropped(monkeypatch):
     slow_engine(monkeypatch, 1.5)
     cfg = settings(request_timeout_s=0.5, max_wait_ms=0, max_batch_items=1)
-    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(3) as pool:
-        running = [post_in_background(srv.url, pool) for _ in range(2)]  # the engine's two batches in flight
-        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(MAX_INFLIGHT + 1) as pool:
+        running = [post_in_background(srv.url, pool) for _ in range(MAX_INFLIGHT)]  # the engine's slots all taken
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == MAX_INFLIGHT)
         third = post_in_background(srv.url, pool)  # queued behind the slow batches
         for f in (*running, third):
             r = f.result()
@@ -125,16 +126,17 @@ def test_500_is_logged_with_an_id_and_the_server_recovers(caplog):
 def test_a_client_that_disconnects_has_its_queued_work_dropped(monkeypatch):
     slow_engine(monkeypatch, 1.0)
     cfg = settings(max_wait_ms=0, max_batch_items=1)
-    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(2) as pool:
-        busy = [post_in_background(srv.url, pool) for _ in range(2)]  # the engine's two batches in flight
-        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == 2 and metric(c, "vitserve_queue_items") == 0)
+    with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(MAX_INFLIGHT) as pool:
+        busy = [post_in_background(srv.url, pool) for _ in range(MAX_INFLIGHT)]  # the engine's slots all taken
+        wait_for(lambda: metric(c, "vitserve_requests_in_flight") == MAX_INFLIGHT
+                 and metric(c, "vitserve_queue_items") == 0)
         doomed = [{"type": "image", "image": b64(image_bytes(100, 80, seed=9))}] * 3
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
             httpx.post(srv.url + "/encode", json={"items": doomed}, timeout=0.4)
-        assert [f.result().status_code for f in busy] == [200, 200]
+        assert [f.result().status_code for f in busy] == [200] * MAX_INFLIGHT
         wait_for(lambda: metric(c, "vitserve_cancelled_items_total") == 3)
         wait_for(lambda: metric(c, "vitserve_requests_total", '{status="499"}') == 1)
-        assert metric(c, "vitserve_items_total", '{modality="image"}') == 2  # only the busy requests' items ran
+        assert metric(c, "vitserve_items_total", '{modality="image"}') == MAX_INFLIGHT  # only the busy ones ran
 
 
 def test_a_client_gone_mid_upload_is_a_499_logged_at_info(caplog):

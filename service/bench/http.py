@@ -441,24 +441,24 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
     for stage, name in STAGES.items():
         metric, at, phase = name.partition("@")
         totals[stage] = (samples.get(f"{metric}_sum{at}{phase}", 0.0), samples.get(f"{metric}_count{at}{phase}", 0.0))
-    read_at = time.monotonic()
-    totals["read_at"] = (read_at, 0.0)
     if "process_cpu_seconds_total" in samples:  # with the time it was read: CPU seconds per second
-        totals["cpu"] = (samples["process_cpu_seconds_total"], read_at)
+        totals["cpu"] = (samples["process_cpu_seconds_total"], time.monotonic())
     return totals
 
 
-def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                wall_s: float | None = None) -> dict[str, float]:
     """Mean of each stage over the level (ms; items for items_per_batch), the server process's CPU
     use over it in cores (`cpu_cores`: near 1 with idle cores left means one thread, or the GIL, is the
-    limit) and how busy its devices were (`device_busy`: device seconds per second, summed over the
-    engines: at most their number)."""
+    limit) and how busy its devices were over the level's `wall_s` (`device_busy`: device seconds per
+    second, summed over the engines: at most their number)."""
     out = {}
     if "cpu" in before and "cpu" in after and after["cpu"][1] > before["cpu"][1]:
-        out["cpu_cores"] = round((after["cpu"][0] - before["cpu"][0]) / (after["cpu"][1] - before["cpu"][1]), 2)
-    if "read_at" in before and "read_at" in after and after["read_at"][0] > before["read_at"][0]:
-        busy = after["device_per_batch"][0] - before["device_per_batch"][0]
-        out["device_busy"] = round(busy / (after["read_at"][0] - before["read_at"][0]), 3)
+        # Over the level's wall time when given: the reads also span the client processes' start, idle.
+        span = wall_s or after["cpu"][1] - before["cpu"][1]
+        out["cpu_cores"] = round((after["cpu"][0] - before["cpu"][0]) / span, 2)
+    if wall_s and "device_per_batch" in before and "device_per_batch" in after:
+        out["device_busy"] = round((after["device_per_batch"][0] - before["device_per_batch"][0]) / wall_s, 3)
     for stage in STAGES:
         if stage not in before or stage not in after:
             continue
@@ -708,7 +708,7 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             engines_before = engine_counts(base_url, api_key)
             level = run_level(base_url, bodies, c, requests_per_level, level_time_s, api_key, client=client,
                               processes=min(client_processes, c))
-            level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key))
+            level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key), level["elapsed_s"])
             level["items_per_batch_by_engine"] = items_per_batch(engines_before, engine_counts(base_url, api_key))
             levels.append(level)
             log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s ({level['steady_images_per_s']} steady)  "

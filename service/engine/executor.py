@@ -10,8 +10,8 @@ own shared-memory segment.
 - the completion thread waits for each batch's copy (an event, not a device-wide sync), says the
   batch has left the device ("free": the front may stage another behind the one now running), then
   writes every item's rows into its output segment and replies ("done").
-The front keeps at most two batches per engine on the device, so one is staged while the other runs;
-writing a batch's outputs (a fresh segment per item) does not hold that slot.
+The front keeps at most `batcher.MAX_INFLIGHT` batches per engine on the device, so the next is staged
+while one runs; writing a batch's outputs (a fresh segment per item) does not hold a slot.
 The same loop runs in an engine process (the GPU; `backends.ProcessBackend`) and in a thread of the
 server (the CPU; `backends.LocalBackend`).
 """
