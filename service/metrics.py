@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,6 +23,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))
 ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LAG_PERIOD_S = 0.1
 
 # No `*_created` series: they double the exposition and dashboards never use them.
 disable_created_metrics()
@@ -188,6 +191,11 @@ class Metrics:
                                         "previous batch's end) to its results on the host. Its sum's rate is "
                                         "how busy the engines are (1 per engine at most)",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.loop_lag_seconds = Histogram("vitserve_event_loop_lag_seconds",
+                                          f"How late the event loop ran a callback due now (sampled every "
+                                          f"{LAG_PERIOD_S:g} s): what every request's next step waits for while "
+                                          "the loop, or the GIL, is held by other work",
+                                          buckets=LAG_BUCKETS, registry=r)
         self.queue_items = Gauge("vitserve_queue_items", "Items ready and waiting for an engine", registry=r)
         self.queue_tokens = Gauge("vitserve_queue_tokens", "Merged tokens admitted and not yet on an engine "
                                   "(estimated before decoding; the bound of --max-queued-tokens)", registry=r)
@@ -219,3 +227,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def watch_event_loop(lag: Histogram, period_s: float = LAG_PERIOD_S) -> None:
+    """Until cancelled: sleep `period_s`, observe how much later than due the loop woke this task."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + period_s
+        await asyncio.sleep(period_s)
+        lag.observe(max(0.0, loop.time() - due))

@@ -56,10 +56,11 @@ def test_http_bench_on_cpu(tmp_path):
         server_ms = level["server_ms"]
         assert set(server_ms) == {"request", "preprocess", "queue", "gpu_per_batch", "render", "worker_wait",
                                  "items_per_batch", "cpu_cores", "body", "parse", "prepare_wall", "engine_wall",
-                                 "device_per_batch", "device_busy"}
+                                 "device_per_batch", "device_busy", "loop_lag"}
         # A batch's device time is part of its time in the engine; one engine is busy at most all the level.
         assert 0 < server_ms["device_per_batch"] <= server_ms["gpu_per_batch"]
         assert 0 < server_ms["device_busy"] <= 1.0
+        assert 0 <= server_ms["loop_lag"] < server_ms["request"] + 100  # sampled every 0.1 s, late by some ms
         # The phases follow each other inside the request (one image per request: nothing overlaps).
         phases = [server_ms[k] for k in ("body", "parse", "prepare_wall", "engine_wall", "render")]
         assert all(p > 0 for p in phases) and sum(phases) <= server_ms["request"] * 1.001 + 0.01

@@ -410,6 +410,7 @@ STAGES = {
     "render": "vitserve_render_duration_seconds",
     "worker_wait": "vitserve_worker_wait_duration_seconds",  # per job: a request has two or more
     "items_per_batch": "vitserve_batch_items",
+    "loop_lag": "vitserve_event_loop_lag_seconds",  # per 0.1 s sample: the front's event loop, late
 }
 
 

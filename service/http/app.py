@@ -40,7 +40,7 @@ from service.http.schemas import (
 )
 from service.http.urls import UrlFetcher
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.metrics import Metrics
+from service.metrics import Metrics, watch_event_loop
 from service.settings import ServeSettings
 from service.version import VERSION
 from service.workers import jobs
@@ -289,9 +289,11 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
         service.handoff.start()
         if start_engine and engine.state == "starting":
             engine.start()
+        lag_watch = asyncio.create_task(watch_event_loop(metrics.loop_lag_seconds))
         try:
             yield
         finally:
+            lag_watch.cancel()
             await service.drain(settings.request_timeout_s)
             if service.fetcher is not None:
                 await service.fetcher.close()
