@@ -254,16 +254,10 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
     args = [(base_url, bodies, c, q, time_limit_s, api_key, timeout_s, client)
             for c, q in zip(shares, quotas) if c > 0]
     if len(args) == 1:
-        start_at = 0.0
-
-        def start() -> float:
-            nonlocal start_at
-            start_at = time.time() + 0.2
-            return start_at
-
-        parts = [_client_threads(*args[0], start=start)]
+        parts = [_client_threads(*args[0], start=lambda: time.time() + 0.2)]
     else:
-        start_at, parts = _client_processes(args, wait_s=time_limit_s + timeout_s + 60)
+        parts = _client_processes(args, wait_s=time_limit_s + timeout_s + 60)
+    start_at = parts[0]["start_at"]  # the same in every part
     latencies = [x for p in parts for x in p["latencies"]]
     errors: Counter[str] = Counter()
     for p in parts:
@@ -292,7 +286,7 @@ def steady_rate(ends: Sequence[float], start: float, stop: float) -> float | Non
     return round(sum(start <= t < stop for t in ends) / (stop - start), 3)
 
 
-def _client_processes(args: list[tuple[Any, ...]], wait_s: float) -> tuple[float, list[dict[str, Any]]]:
+def _client_processes(args: list[tuple[Any, ...]], wait_s: float) -> list[dict[str, Any]]:
     """Runs each share of a level in its own process. The start time is agreed only once every process
     has imported its modules and built its threads: a start fixed beforehand came up to 2 s late on a
     loaded host (each spawned process imports the main module, hence torch), and a level then measured
@@ -313,7 +307,7 @@ def _client_processes(args: list[tuple[Any, ...]], wait_s: float) -> tuple[float
             built.wait(120)
         except threading.BrokenBarrierError as exc:
             raise BenchError("the client processes did not start within 120 s") from exc
-        start_value.value = start_at = time.time() + 0.2
+        start_value.value = time.time() + 0.2
         go.set()
         try:
             parts = [results.get(timeout=wait_s) for _ in procs]
@@ -324,7 +318,7 @@ def _client_processes(args: list[tuple[Any, ...]], wait_s: float) -> tuple[float
             proc.join(5)
             if proc.is_alive():
                 proc.kill()
-    return start_at, parts
+    return parts
 
 
 def _client_process(args: tuple[Any, ...], built: Any, go: Any, start_value: Any, results: Any) -> None:
@@ -391,7 +385,7 @@ def _client_threads(base_url: str, bodies: Sequence[bytes], concurrency: int, ma
     for t in threads:
         t.join()
     return {"latencies": latencies, "ends": ends, "errors": dict(errors), "issued": issued, "end": time.time(),
-            "cpu": time.process_time() - cpu0, "late_s": started - start_at}
+            "cpu": time.process_time() - cpu0, "start_at": start_at, "late_s": started - start_at}
 
 
 # Server-side histograms whose mean over a level shows where a request's time went ("name@phase": one

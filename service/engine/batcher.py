@@ -42,8 +42,8 @@ from service.metrics import Metrics
 log = logging.getLogger("vitserve.engine")
 
 # Batches per engine on its device: one running, two staged behind it. With one staged, two GPUs behind
-# 256 clients sat idle between small batches while the next was packed, sent and read in (1.81x one GPU
-# against 1.88x with two; docs/performance.md).
+# 256 clients sat idle between small batches while the next was packed, sent and read in (two GPUs at
+# 1.81x one with one staged, 1.88x with two; docs/performance.md).
 MAX_INFLIGHT = 3
 
 
