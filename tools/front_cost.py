@@ -7,9 +7,10 @@ backend) with the tiny model's preprocessing and plan, but the engine returns ze
 Qwen2.5-VL-7B's output (3584 columns, bf16): each 448x448 image gets the 2.4 MB answer of the GPU
 benchmark, and what is measured is the server's own work. Per level it prints images/s, the server
 process's CPU milliseconds per request (`process_cpu_seconds_total` from /metrics: the front, not its
-workers; with `--data-parallel 2 --fronts 1` not its engines either, as on a GPU), p50 and the event
-loop's mean lag. On a small machine the clients and workers share the
-cores with the front, so compare runs of one machine, not absolute rates.
+workers; with `--data-parallel 2 --fronts 1` not its engines either, as on a GPU), p50 and the
+server's phase means (`server_ms`, as in `vitserve bench --http`, the event loop's lag among them).
+On a small machine the clients and workers share the cores with the front, so compare runs of one
+machine, not absolute rates.
 """
 
 from __future__ import annotations
@@ -66,14 +67,6 @@ def cpu_seconds(url: str) -> float:
     return sum(s.value for s in server_metrics(url) if s.name == "process_cpu_seconds_total")
 
 
-def lag_totals(url: str) -> tuple[float, float]:
-    from service.bench.http import server_metrics
-
-    name = "vitserve_event_loop_lag_seconds"
-    samples = {s.name: s.value for s in server_metrics(url) if s.name.startswith(name)}
-    return samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0)
-
-
 # The server, and its engine processes (spawned: they import this file again as their main module).
 if os.environ.get(SERVING) == "1":
     patch_engine()
@@ -93,7 +86,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="JSON lines, one per level")
     args = parser.parse_args()
 
-    from service.bench.http import bench_images, request_body, run_level, wait_ready
+    from service.bench.http import (
+        bench_images,
+        request_body,
+        run_level,
+        server_stage_totals,
+        stage_means,
+        wait_ready,
+    )
     from tests.http_helpers import free_port
 
     port = free_port()
@@ -108,14 +108,13 @@ def main() -> int:
             wait_ready(url, 120, proc)
             run_level(url, bodies, 2, 8, 30)  # warm-up: workers spawned, caches filled
             for c in (int(x) for x in args.concurrency.split(",")):
-                cpu0, lag0 = cpu_seconds(url), lag_totals(url)
+                cpu0, stages0 = cpu_seconds(url), server_stage_totals(url)
                 level = run_level(url, bodies, c, 10**9, args.seconds, processes=min(args.client_processes, c))
-                cpu1, lag1 = cpu_seconds(url), lag_totals(url)
-                lag_n = lag1[1] - lag0[1]
+                cpu1, stages1 = cpu_seconds(url), server_stage_totals(url)
                 row = {"concurrency": c, "ok": level["ok"], "errors": level["errors"],
                        "images_per_s": level["images_per_s"], "p50_ms": level["p50_ms"],
                        "front_cpu_ms_per_request": round((cpu1 - cpu0) / max(level["ok"], 1) * 1e3, 3),
-                       "loop_lag_ms": round((lag1[0] - lag0[0]) / lag_n * 1e3, 3) if lag_n else None,
+                       "server_ms": stage_means(stages0, stages1, level["elapsed_s"]),
                        "serve_flags": args.serve_flags, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
                 print(json.dumps(row), flush=True)
                 if args.out:
