@@ -104,6 +104,18 @@ def test_an_entry_evicted_while_a_response_reads_it_goes_when_that_response_is_d
     assert not exists(b)
 
 
+def test_closing_the_cache_unlinks_every_segment_pinned_or_not():
+    a, b, c = entry(10, seed=1), entry(10, seed=2), entry(10, seed=3)
+    cache = EncoderCache(2 * a.nbytes)
+    cache.put("a", a)  # pinned: a response still reads it
+    cache.put("b", b)
+    cache.unpin(b.output.segment)
+    cache.put("c", c)  # evicts a while pinned: doomed, not yet unlinked
+    assert exists(a) and exists(b) and exists(c)
+    cache.close()
+    assert not any(exists(e) for e in (a, b, c)) and len(cache) == 0 and cache.bytes == 0
+
+
 def test_grid_timestamps_follow_vllm():
     # Indices padded with the last to whole temporal patches, then the mean of each patch's first and last frame.
     assert grid_timestamps({"frame_indices": [0, 2, 5, 7], "video_fps": 4.0}, 2) == [0.25, 1.5]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import glob
 import json
 import os
 import stat
@@ -57,6 +58,16 @@ def cached(tmp_path_factory):
     with ServerThread(cfg) as srv:
         srv.store = store  # type: ignore[attr-defined]
         yield srv
+
+
+def test_a_stopped_server_leaves_no_cached_segment_behind():
+    # /dev/shm outlives the server, and a server restarted under the same pid (a container's) would not
+    # sweep them as a dead server's: the cache's segments go when the server stops.
+    with ServerThread(settings(cache_bytes=32 << 20)) as srv, srv.client() as c:
+        assert encode(c, [{"type": "image", "image": b64(JPEG)}], encoding_format="base64").status_code == 200
+        prefix = srv.engine.names.prefix
+        assert glob.glob(f"/dev/shm/{prefix}*")  # the cached output, kept while serving
+    assert glob.glob(f"/dev/shm/{prefix}*") == []
 
 
 def test_a_repeated_request_is_served_from_the_cache(cached):

@@ -103,6 +103,16 @@ class EncoderCache:
         self._entries.clear()
         self.bytes = 0
 
+    def close(self) -> None:
+        """The server stops: every segment of the cache goes, pinned ones too (nothing reads them any more).
+        /dev/shm outlives the process, and a server restarted under the same pid (a container's) would
+        not sweep them as a dead server's."""
+        self.clear()
+        for segment in self._doomed:
+            shm.unlink(segment)
+        self._doomed.clear()
+        self._pins.clear()
+
     def stats(self) -> dict[str, int]:
         return {"max_bytes": self.max_bytes, "bytes": self.bytes, "items": len(self._entries),
                 "evictions": self.evictions}

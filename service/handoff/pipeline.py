@@ -56,6 +56,9 @@ class Handoff:
         if self.storage is not None:
             self.storage.check()
 
+    def stop(self) -> None:
+        self.cache.close()
+
     # ---- identity ----------------------------------------------------------------------------
     def identity_parts(self, model: ModelInfo) -> dict[str, Any]:
         """Everything about the served model that changes an output: checkpoint, dtype, device kind, the

@@ -298,6 +298,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             if service.fetcher is not None:
                 await service.fetcher.close()
             engine.stop()
+            service.handoff.stop()
 
     app = FastAPI(title="vitserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Vision encoder for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images and videos in, "
