@@ -11,6 +11,7 @@ process that needs to open it has done so; mappings stay valid after the unlink.
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -109,20 +110,46 @@ def free_bytes() -> int | None:
 
 
 def sweep_stale() -> int:
-    """Remove segments left by front processes that no longer exist (killed outright); returns how many."""
+    """Remove segments left by front processes that no longer exist (killed outright); returns how many.
+    A segment older than the process now holding its pid was left by an earlier one: in a container a
+    restarted server gets its predecessor's pid, and /dev/shm (a pod's memory volume) outlives it."""
     removed = 0
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
+    born: dict[int, float] = {}  # pid -> segments written before this are stale
     for entry in names:
         if not entry.startswith(PREFIX):
             continue
-        pid = entry[len(PREFIX):].split("_", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            unlink(entry)
-            removed += 1
+        field = entry[len(PREFIX):].split("_", 1)[0]
+        if not field.isdigit():
+            continue
+        pid = int(field)
+        if pid not in born:
+            # Dead: all its segments. Alive: those older than it (its start is known to about a second: the
+            # boot time is in whole seconds); none when its start is unknown (another user's, no /proc).
+            started = process_started(pid) if process_alive(pid) else math.inf
+            born[pid] = -math.inf if started is None else started - 1.0
+        try:
+            if os.stat(SHM_DIR / entry).st_mtime >= born[pid]:
+                continue
+        except OSError:
+            continue
+        unlink(entry)
+        removed += 1
     return removed
+
+
+def process_started(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch (Linux /proc); None if unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start, in ticks since boot
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
 
 
 def process_alive(pid: int) -> bool:
