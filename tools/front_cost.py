@@ -20,8 +20,8 @@ import dataclasses
 import json
 import os
 import shlex
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,42 +87,34 @@ def main() -> int:
     args = parser.parse_args()
 
     from service.bench.http import (
+        ServerProcess,
         bench_images,
         request_body,
         run_level,
         server_stage_totals,
         stage_means,
-        wait_ready,
     )
-    from tests.http_helpers import free_port
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--model", "tiny-qwen2-vl", "--device", "cpu",
-           "--dtype", "bfloat16", "--cache-bytes", "0", "--host", "127.0.0.1", "--port", str(port),
-           *shlex.split(args.serve_flags)]
+    flags = ["--device", "cpu", "--dtype", "bfloat16", "--cache-bytes", "0", *shlex.split(args.serve_flags)]
     bodies = [request_body(img) for img in bench_images(4)]
-    env = {**os.environ, SERVING: "1"}
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) as proc:
-        try:
-            wait_ready(url, 120, proc)
-            run_level(url, bodies, 2, 8, 30)  # warm-up: workers spawned, caches filled
-            for c in (int(x) for x in args.concurrency.split(",")):
-                cpu0, stages0 = cpu_seconds(url), server_stage_totals(url)
-                level = run_level(url, bodies, c, 10**9, args.seconds, processes=min(args.client_processes, c))
-                cpu1, stages1 = cpu_seconds(url), server_stage_totals(url)
-                row = {"concurrency": c, "ok": level["ok"], "errors": level["errors"],
-                       "images_per_s": level["images_per_s"], "p50_ms": level["p50_ms"],
-                       "front_cpu_ms_per_request": round((cpu1 - cpu0) / max(level["ok"], 1) * 1e3, 3),
-                       "server_ms": stage_means(stages0, stages1, level["elapsed_s"]),
-                       "serve_flags": args.serve_flags, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with args.out.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    os.environ[SERVING] = "1"  # the server started below patches its engine (see the top of this file)
+    with tempfile.TemporaryDirectory() as folder, ServerProcess(
+            "tiny-qwen2-vl", flags, Path(folder) / "server.log", 120, launcher=[str(Path(__file__).resolve())]) as srv:
+        url = srv.url
+        run_level(url, bodies, 2, 8, 30)  # warm-up: workers spawned, caches filled
+        for c in (int(x) for x in args.concurrency.split(",")):
+            cpu0, stages0 = cpu_seconds(url), server_stage_totals(url)
+            level = run_level(url, bodies, c, 10**9, args.seconds, processes=min(args.client_processes, c))
+            cpu1, stages1 = cpu_seconds(url), server_stage_totals(url)
+            row = {"concurrency": c, "ok": level["ok"], "errors": level["errors"],
+                   "images_per_s": level["images_per_s"], "p50_ms": level["p50_ms"],
+                   "front_cpu_ms_per_request": round((cpu1 - cpu0) / max(level["ok"], 1) * 1e3, 3),
+                   "server_ms": stage_means(stages0, stages1, level["elapsed_s"]),
+                   "serve_flags": args.serve_flags, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
     return 0
 
 

@@ -128,14 +128,16 @@ def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None) -
 
 
 class ServerProcess:
-    """`vitserve serve` on a free loopback port, started with only the given flags (no VITSERVE_* variables)."""
+    """`vitserve serve` on a free loopback port, started with only the given flags (no VITSERVE_* variables).
+    `launcher`: what runs it (another entry point taking the same flags, e.g. `tools/front_cost.py`)."""
 
-    def __init__(self, model: str, flags: Sequence[str], log_path: Path, ready_timeout_s: float) -> None:
+    def __init__(self, model: str, flags: Sequence[str], log_path: Path, ready_timeout_s: float,
+                 launcher: Sequence[str] = ("-m", "service.cli", "serve")) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "service.cli", "serve", "--model", model, *flags,
+        self.cmd = [sys.executable, *launcher, "--model", model, *flags,
                     "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
