@@ -42,6 +42,7 @@ from service.engine.types import (
     new_error_id,
 )
 from service.media.errors import MediaError
+from service.media.estimate import Estimate  # imported here, not by the first worker's question on the loop
 from service.media.limits import MediaLimits
 from service.metrics import EngineSample, Metrics
 from service.settings import ServeSettings
@@ -64,7 +65,8 @@ class Engine:
         self.backends: list[Backend] = make_backends(settings, runner)
         waits = self.metrics.worker_wait_seconds
         self.workers = WorkerPool(settings.worker_processes(), memory_limit=settings.worker_max_rss_mib * 2**20,
-                                  on_wait=lambda job, seconds: waits.labels(job).observe(seconds))
+                                  on_wait=lambda job, seconds: waits.labels(job).observe(seconds),
+                                  warm_up="service.workers.jobs:warm_up")
         self.limits = MediaLimits(max_tokens=settings.max_item_tokens, max_decoded_frames=settings.max_decoded_frames)
         self.batcher = Batcher(settings, self.metrics, self.names, self._dispatched, self._engines_lost)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -319,7 +321,7 @@ class Engine:
         pixels = self.names.next("px")
         reserved = 0
 
-        def admit(cost: Any) -> bool:
+        def admit(cost: Estimate) -> bool:
             nonlocal reserved
             tally["tokens"] += cost.tokens
             self._admit(cost.tokens, tally["tokens"])

@@ -17,6 +17,8 @@ Processes also spread the work over the host's cores, which threads under one GI
   job fails with `WorkerDied("memory")`.
 - A job may ask its caller a question mid-way (`JobContext.ask`): media jobs report their estimated
   cost before decoding and wait for admission.
+- Warm-up: each new worker first runs `warm_up` (a "module:function" of no arguments), so the first
+  request it serves does not pay for first-use initialisation.
 
 Workers ignore SIGINT (the front drains, then stops them) and exit when the front goes away.
 """
@@ -45,7 +47,8 @@ log = logging.getLogger("vitserve.workers")
 
 WATCH_INTERVAL_S = 0.1
 # Imported once in the fork server, so a new worker starts with them already loaded.
-PRELOAD = ["service.workers.jobs"]
+PRELOAD = ["service.workers.jobs", "service.media.estimate", "service.media.image_preprocess",
+           "service.media.video_preprocess"]
 
 
 class JobFailed(Exception):
@@ -99,13 +102,14 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, size: int, *, memory_limit: int | None = None, name: str = "vitserve-worker",
-                 on_wait: Callable[[str, float], None] | None = None) -> None:
+                 on_wait: Callable[[str, float], None] | None = None, warm_up: str | None = None) -> None:
         if size < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {size}")
         self.size = size
         self.memory_limit = memory_limit
         self.name = name
         self.on_wait = on_wait  # (function name, seconds the job waited for a worker)
+        self.warm_up = warm_up
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
@@ -131,7 +135,7 @@ class WorkerPool:
         assert self.loop is not None
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         index = next(self._indexes)
-        process = self._ctx.Process(target=worker_main, args=(child_end, os.getpid()), daemon=True,
+        process = self._ctx.Process(target=worker_main, args=(child_end, os.getpid(), self.warm_up), daemon=True,
                                     name=f"{self.name}-{index}")
         process.start()
         child_end.close()
@@ -416,7 +420,7 @@ def _keep_freed_memory() -> None:
         pass
 
 
-def worker_main(conn: Connection, front_pid: int) -> None:
+def worker_main(conn: Connection, front_pid: int, warm_up: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
     import torch
@@ -429,6 +433,11 @@ def worker_main(conn: Connection, front_pid: int) -> None:
     parent = os.getppid()
     # The front killed outright cannot stop us; its fork server exits with it, which re-parents us.
     threading.Thread(target=exit_when_orphaned, args=(parent, front_pid), daemon=True).start()
+    if warm_up is not None:
+        try:  # a job sent meanwhile waits in the pipe; it would have paid the same cold start
+            _resolve(warm_up)()
+        except Exception:  # noqa: BLE001 - only the speed of the first job is at stake
+            log.warning("worker warm-up %s failed", warm_up, exc_info=True)
     functions: dict[str, Callable[..., Any]] = {}
     while True:
         try:

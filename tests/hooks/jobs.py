@@ -68,3 +68,20 @@ def torch_threads(ctx: Any) -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def warm_state(ctx: Any) -> dict[str, Any]:
+    """What a worker had set up before this, its first job."""
+    import sys
+
+    from PIL import Image
+
+    from service.workers import jobs
+
+    return {"warmed": jobs.warmed, "pil_plugins": Image._initialized,
+            "modules": [m for m in ("service.media.image_preprocess", "service.media.video_preprocess")
+                        if m in sys.modules]}
+
+
+def broken_warm_up() -> None:
+    raise RuntimeError("warm-up failed on purpose")
