@@ -291,3 +291,28 @@ def test_a_response_is_encoded_in_the_front_only_when_alone_small_and_not_float_
     assert not renders_here(2, "base64", 1 << 20)  # another request is in flight: the loop is theirs too
     assert not renders_here(1, "float", 1 << 10)  # formatted in Python: a worker's job
     assert not renders_here(1, "vllm", RENDER_HERE_BYTES + 1)
+
+
+def test_a_small_body_is_parsed_on_the_event_loop_and_a_large_one_on_a_parse_thread(served, monkeypatch):
+    from service.http.app import PARSE_HERE_BYTES
+
+    fam, srv = served
+    service = srv.app.state.service
+    threaded: list[str] = []
+    in_pool = service.run_in_pool
+
+    async def recording(fn, *args):
+        threaded.append(getattr(fn, "func", fn).__name__)  # parsing comes as a functools.partial
+        return await in_pool(fn, *args)
+
+    monkeypatch.setattr(service, "run_in_pool", recording)
+    small = {"items": [{"type": "image", "image": b64(image_bytes(64, 64, seed=1, fmt="PNG"))}]}
+    large = {"items": small["items"], "id": "x" * PARSE_HERE_BYTES}  # padded past the bound
+    with srv.client() as c:
+        for body, multipart in ((small, False), (large, False), (small, True)):
+            if multipart:
+                r = c.post("/encode", files=[("files", ("a.png", image_bytes(64, 64, seed=1, fmt="PNG")))])
+            else:
+                r = c.post("/encode", json=body)
+            assert r.status_code in (200, 422), r.text
+    assert [name for name in threaded if name.startswith("parse")] == ["parse_json_request"]  # the large one

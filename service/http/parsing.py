@@ -1,5 +1,6 @@
-"""Request bodies -> items: JSON and multipart/form-data parsing, media fields decoded to bytes. Runs in the
-worker pool (a body is megabytes of base64); never touches the filesystem."""
+"""Request bodies -> items: JSON and multipart/form-data parsing, media fields decoded to bytes. Runs on the
+front's event loop for bodies up to `app.PARSE_HERE_BYTES`, on a parse thread above; never touches the
+filesystem."""
 
 from __future__ import annotations
 
