@@ -418,15 +418,16 @@ REQUEST_BODY: dict[str, Any] = {
 
 
 
-PARSE_HERE_BYTES = 512 << 10
+PARSE_HERE_BYTES = 128 << 10
 
 
 def parses_here(nbytes: int) -> bool:
     """Whether a request body is parsed on the event loop rather than on a parse thread: up to
     PARSE_HERE_BYTES. A 448x448 JPEG's 75 KB body takes 20 us to parse and decode, where the round trip
     to a parse thread took 0.35 ms alone and 16-23 ms at 256 clients (H200 host): the thread holds the
-    same GIL, so it adds hand-offs without adding a core. At the bound: 0.1 ms as JSON, 0.7 ms as
-    multipart (2-core dev box)."""
+    same GIL, so it adds hand-offs without adding a core. The bound keeps a hostile body's cost on the
+    loop small: at 128 KiB, thousands of unknown fields or items take a few milliseconds to refuse
+    (2-core dev box), where a parse thread would give the loop a turn every 5 ms."""
     return nbytes <= PARSE_HERE_BYTES
 
 

@@ -111,11 +111,18 @@ def looks_like_path(value: str) -> bool:
     return bool(_PATH_START.match(value)) and bool(_NOT_BASE64.search(value))
 
 
+def lean_errors(exc: ValidationError) -> list[Any]:
+    """A validation failure's errors without their inputs and contexts, which the error response does not
+    use: a body of many unknown fields has one error each, and building them in full took 4.6 us each
+    (138 ms for 30,000 in a 476 KiB body), 0.8 us this way (2-core dev box)."""
+    return exc.errors(include_url=False, include_context=False, include_input=False)  # type: ignore[return-value]
+
+
 def parse_json_request(body: bytes, settings: ServeSettings) -> Parsed:
     try:
         req = EncodeRequest.model_validate_json(body)
     except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False), tagged=True) from None
+        raise validation_error(lean_errors(exc), tagged=True) from None
     check_count(len(req.items), settings)
     items = []
     for i, it in enumerate(req.items):
@@ -232,7 +239,7 @@ def parse_multipart(content_type: str, body: bytes, settings: ServeSettings) -> 
     try:
         options = MultipartOptions.model_validate_json(raw)
     except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False), where="options") from None
+        raise validation_error(lean_errors(exc), where="options") from None
     per_file = options.items or [FileOptions() for _ in files]
     if len(per_file) != len(files):
         raise ApiError(422, "invalid_request", f"options.items has {len(per_file)} entries for {len(files)} files",
