@@ -56,11 +56,12 @@ def test_http_bench_on_cpu(tmp_path):
         server_ms = level["server_ms"]
         assert set(server_ms) == {"request", "preprocess", "queue", "gpu_per_batch", "render", "worker_wait",
                                  "items_per_batch", "cpu_cores", "body", "parse", "prepare_wall", "engine_wall",
-                                 "device_per_batch", "device_busy", "loop_lag"}
+                                 "device_per_batch", "device_busy", "loop_lag", "loop_lag_over_25ms"}
         # A batch's device time is part of its time in the engine; one engine is busy at most all the level.
         assert 0 < server_ms["device_per_batch"] <= server_ms["gpu_per_batch"]
         assert 0 < server_ms["device_busy"] <= 1.0
         assert 0 <= server_ms["loop_lag"] < server_ms["request"] + 100  # sampled every 0.1 s, late by some ms
+        assert 0 <= server_ms["loop_lag_over_25ms"] <= 1
         # The phases follow each other inside the request (one image per request: nothing overlaps).
         phases = [server_ms[k] for k in ("body", "parse", "prepare_wall", "engine_wall", "render")]
         assert all(p > 0 for p in phases) and sum(phases) <= server_ms["request"] * 1.001 + 0.01
@@ -186,3 +187,14 @@ def test_the_summary_says_when_the_saturation_level_stopped_by_its_count(capsys)
     assert "stopped after 512 requests (4.0 s)" in capsys.readouterr().out
     http_bench.print_summary({**result, "levels": [{**level, "stopped_by": "time"}]})
     assert "stopped after" not in capsys.readouterr().out
+
+
+def test_the_share_of_loop_lag_samples_over_25_ms_comes_from_the_histograms_buckets():
+    """Two fronts' samples are summed: 30 new samples of which 24 were at most 25 ms late."""
+    from service.bench.http import LOOP_STALL_KEY, stage_means
+
+    before = {"loop_lag": (0.5, 100.0), LOOP_STALL_KEY: (90.0, 100.0)}
+    after = {"loop_lag": (1.5, 130.0), LOOP_STALL_KEY: (114.0, 130.0)}
+    means = stage_means(before, after, wall_s=3.0)
+    assert means["loop_lag_over_25ms"] == 0.2
+    assert means["loop_lag"] == round(1.0 / 30 * 1e3, 3)

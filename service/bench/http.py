@@ -408,6 +408,9 @@ STAGES = {
     "items_per_batch": "vitserve_batch_items",
     "loop_lag": "vitserve_event_loop_lag_seconds",  # per 0.1 s sample: the front's event loop, late
 }
+# The share of those samples over 25 ms late (`loop_lag_over_25ms`): stalls long enough to leave a GPU
+# without its next batch, which a mean of a few milliseconds can hide.
+LOOP_LAG, LOOP_STALL_LE, LOOP_STALL_KEY = "vitserve_event_loop_lag_seconds", "0.025", "loop_lag_le_25ms"
 
 
 def server_metrics(base_url: str, api_key: str | None = None) -> list[Any]:
@@ -430,6 +433,9 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
     unavailable."""
     samples: dict[str, float] = {}
     for sample in server_metrics(base_url, api_key):
+        if sample.name == f"{LOOP_LAG}_bucket" and sample.labels.get("le") == LOOP_STALL_LE:
+            samples[LOOP_STALL_KEY] = samples.get(LOOP_STALL_KEY, 0.0) + sample.value
+            continue
         labels = set(sample.labels) - {"phase"}
         if labels <= {"front", "job"}:  # summed over fronts, and over jobs for worker_wait
             key = sample.name + (f"@{sample.labels['phase']}" if "phase" in sample.labels else "")
@@ -438,6 +444,8 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
     for stage, name in STAGES.items():
         metric, at, phase = name.partition("@")
         totals[stage] = (samples.get(f"{metric}_sum{at}{phase}", 0.0), samples.get(f"{metric}_count{at}{phase}", 0.0))
+    if LOOP_STALL_KEY in samples:  # (samples on time or at most 25 ms late, all samples)
+        totals[LOOP_STALL_KEY] = (samples[LOOP_STALL_KEY], totals["loop_lag"][1])
     if "process_cpu_seconds_total" in samples:  # with the time it was read: CPU seconds per second
         totals["cpu"] = (samples["process_cpu_seconds_total"], time.monotonic())
     return totals
@@ -445,10 +453,11 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
 
 def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
                 wall_s: float | None = None) -> dict[str, float]:
-    """Mean of each stage over the level (ms; items for items_per_batch), the server process's CPU
-    use over it in cores (`cpu_cores`: near 1 with idle cores left means one thread, or the GIL, is the
-    limit) and how busy its devices were over the level's `wall_s` (`device_busy`: device seconds per
-    second, summed over the engines: at most their number)."""
+    """Mean of each stage over the level (ms; items for items_per_batch), the share of the event loop's
+    lag samples over 25 ms late (`loop_lag_over_25ms`), the server process's CPU use over it in cores
+    (`cpu_cores`: near 1 with idle cores left means one thread, or the GIL, is the limit) and how busy
+    its devices were over the level's `wall_s` (`device_busy`: device seconds per second, summed over
+    the engines: at most their number)."""
     out = {}
     if "cpu" in before and "cpu" in after and after["cpu"][1] > before["cpu"][1]:
         # Over the level's wall time when given: the reads also span the client processes' start, idle.
@@ -456,6 +465,11 @@ def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[f
         out["cpu_cores"] = round((after["cpu"][0] - before["cpu"][0]) / span, 2)
     if wall_s and "device_per_batch" in before and "device_per_batch" in after:
         out["device_busy"] = round((after["device_per_batch"][0] - before["device_per_batch"][0]) / wall_s, 3)
+    if LOOP_STALL_KEY in before and LOOP_STALL_KEY in after:
+        on_time = after[LOOP_STALL_KEY][0] - before[LOOP_STALL_KEY][0]
+        samples = after[LOOP_STALL_KEY][1] - before[LOOP_STALL_KEY][1]
+        if samples > 0:
+            out["loop_lag_over_25ms"] = round(1 - on_time / samples, 3)
     for stage in STAGES:
         if stage not in before or stage not in after:
             continue
