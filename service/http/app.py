@@ -426,8 +426,8 @@ def parses_here(nbytes: int) -> bool:
     PARSE_HERE_BYTES. A 448x448 JPEG's 75 KB body takes 20 us to parse and decode, where the round trip
     to a parse thread took 0.35 ms alone and 16-23 ms at 256 clients (H200 host): the thread holds the
     same GIL, so it adds hand-offs without adding a core. The bound keeps a hostile body's cost on the
-    loop small: at 128 KiB, thousands of unknown fields or items take a few milliseconds to refuse
-    (2-core dev box), where a parse thread would give the loop a turn every 5 ms."""
+    loop small: the worst found within 128 KiB (thousands of unknown fields or invalid items) takes
+    15 ms to refuse on the 2-core dev box, where a parse thread would give the loop a turn every 5 ms."""
     return nbytes <= PARSE_HERE_BYTES
 
 

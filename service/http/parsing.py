@@ -115,7 +115,7 @@ def lean_errors(exc: ValidationError) -> list[Any]:
     """A validation failure's errors without their inputs and contexts, which the error response does not
     use: a body of many unknown fields has one error each, and building them in full took 4.6 us each
     (138 ms for 30,000 in a 476 KiB body), 0.8 us this way (2-core dev box)."""
-    return exc.errors(include_url=False, include_context=False, include_input=False)  # type: ignore[return-value]
+    return exc.errors(include_url=False, include_context=False, include_input=False)
 
 
 def parse_json_request(body: bytes, settings: ServeSettings) -> Parsed:

@@ -81,9 +81,9 @@ warmed = False  # set by `warm_up`
 
 
 def warm_up() -> None:
-    """The image path once, on the bundled sample: a fresh worker's first image otherwise took about
-    230 ms instead of 2.5 (2-core dev box), spent on first-use initialisation (PIL's plugins, the first
-    calls of each numpy and torch routine) besides the imports the fork server already did."""
+    """The image path once, on the bundled sample. A fresh worker's first image took about 230 ms instead
+    of 2.5 (2-core dev box): imports, now done once in the fork server (`pool.PRELOAD`), and first-use
+    initialisation (PIL's plugins, the first call of each numpy and torch routine), paid here instead."""
     global warmed
     from service.media.estimate import estimate_image
     from service.media.image_preprocess import preprocess_image_bytes
