@@ -291,7 +291,7 @@ def test_a_new_worker_is_warmed_up_before_its_first_job() -> None:
             await pool.call(owner, f"{JOBS}:crash")
         return [first, await pool.call(owner, f"{JOBS}:warm_state")]
 
-    for state in run(1, scenario, warm_up="service.workers.jobs:warm_up"):
+    for state in run(1, scenario, warm_up=f"{JOBS}:marked_warm_up"):
         assert state["warmed"] is True
         assert state["pil_plugins"] >= 1  # PIL's image plugins are loaded
         assert state["modules"] == ["service.media.image_preprocess", "service.media.video_preprocess"]

@@ -77,14 +77,12 @@ def prepare_media(ctx: Any, source: bytes | str, length: int, modality: str, cfg
 
 
 SAMPLE_IMAGE = Path(__file__).resolve().parents[1] / "assets" / "sample.jpg"
-warmed = False  # set by `warm_up`
 
 
 def warm_up() -> None:
     """The image path once, on the bundled sample. A fresh worker's first image took about 230 ms instead
     of 2.5 (2-core dev box): imports, now done once in the fork server (`pool.PRELOAD`), and first-use
     initialisation (PIL's plugins, the first call of each numpy and torch routine), paid here instead."""
-    global warmed
     from service.media.estimate import estimate_image
     from service.media.image_preprocess import preprocess_image_bytes
 
@@ -92,7 +90,6 @@ def warm_up() -> None:
     cfg = ProcessorConfig()
     estimate_image(data, cfg, limits=MediaLimits())
     preprocess_image_bytes(data, cfg, limits=MediaLimits())
-    warmed = True
 
 
 # ---- responses --------------------------------------------------------------------------------

@@ -76,11 +76,21 @@ def warm_state(ctx: Any) -> dict[str, Any]:
 
     from PIL import Image
 
-    from service.workers import jobs
-
-    return {"warmed": jobs.warmed, "pil_plugins": Image._initialized,
+    return {"warmed": warmed, "pil_plugins": Image._initialized,
             "modules": [m for m in ("service.media.image_preprocess", "service.media.video_preprocess")
                         if m in sys.modules]}
+
+
+warmed = False  # set in a worker by `marked_warm_up`
+
+
+def marked_warm_up() -> None:
+    """The server's warm-up, then a mark that it ran in this process."""
+    global warmed
+    from service.workers import jobs
+
+    jobs.warm_up()
+    warmed = True
 
 
 def broken_warm_up() -> None:
