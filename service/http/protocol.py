@@ -17,6 +17,8 @@ over the deadline 408 (a connection that sent nothing is closed silently), and t
 closed either way. Beyond `max_connections` open connections a request is answered 503 with
 `Retry-After` and its connection closed, except `GET /health`, so that a liveness probe does not
 restart a server that is merely busy. Error bodies have the API's JSON error shape.
+
+Large response bodies are written by a writer thread (`writes.ThreadedWrites`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from service.http.writes import ThreadedWrites
 
 log = logging.getLogger("vitserve.http")
 
@@ -72,7 +76,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # ---- connection -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(ThreadedWrites(transport, self.loop))  # type: ignore[arg-type]
         self._start_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
