@@ -7,7 +7,8 @@ backend) with the tiny model's preprocessing and plan, but the engine returns ze
 Qwen2.5-VL-7B's output (3584 columns, bf16): each 448x448 image gets the 2.4 MB answer of the GPU
 benchmark, and what is measured is the server's own work. Per level it prints images/s, the server
 process's CPU milliseconds per request (`process_cpu_seconds_total` from /metrics: the front, not its
-workers; with `--data-parallel 2 --fronts 1` not its engines either, as on a GPU), p50 and the
+workers; with `--data-parallel 2 --fronts 1` not its engines either, as on a GPU), those of its main
+thread alone (the event loop's, which bounds what one front can serve), p50 and the
 server's phase means (`server_ms`, as in `vitserve bench --http`, the event loop's lag among them).
 On a small machine the clients and workers share the cores with the front, so compare runs of one
 machine, not absolute rates.
@@ -61,6 +62,12 @@ def patch_engine() -> None:
     ModelInfo.from_runner = classmethod(wide)  # type: ignore[method-assign, assignment]
 
 
+def main_thread_cpu_seconds(pid: int) -> float:
+    """CPU time of the process's main thread, the event loop's (user and system, from /proc)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(url: str) -> float:
     from service.bench.http import server_metrics
 
@@ -104,11 +111,14 @@ def main() -> int:
         run_level(url, bodies, 2, 8, 30)  # warm-up: workers spawned, caches filled
         for c in (int(x) for x in args.concurrency.split(",")):
             cpu0, stages0 = cpu_seconds(url), server_stage_totals(url)
+            loop0 = main_thread_cpu_seconds(srv.proc.pid)
             level = run_level(url, bodies, c, 10**9, args.seconds, processes=min(args.client_processes, c))
             cpu1, stages1 = cpu_seconds(url), server_stage_totals(url)
+            loop1 = main_thread_cpu_seconds(srv.proc.pid)
             row = {"concurrency": c, "ok": level["ok"], "errors": level["errors"],
                    "images_per_s": level["images_per_s"], "p50_ms": level["p50_ms"],
                    "front_cpu_ms_per_request": round((cpu1 - cpu0) / max(level["ok"], 1) * 1e3, 3),
+                   "loop_thread_cpu_ms_per_request": round((loop1 - loop0) / max(level["ok"], 1) * 1e3, 3),
                    "server_ms": stage_means(stages0, stages1, level["elapsed_s"]),
                    "serve_flags": args.serve_flags, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
             print(json.dumps(row), flush=True)
