@@ -45,11 +45,11 @@ class SegmentNames:
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def open_segment(name: str) -> mmap.mmap:
-    """The whole segment, mapped read-only."""
+def open_segment(name: str, populate: bool = True) -> mmap.mmap:
+    """The whole segment, mapped read-only; `populate=False` leaves each page to its first reader."""
     fd = os.open(SHM_DIR / name, os.O_RDONLY)
     try:
-        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | (_POPULATE if populate else 0), prot=mmap.PROT_READ)
     finally:
         os.close(fd)
 

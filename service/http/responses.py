@@ -24,7 +24,8 @@ def take_segment(name: str, length: int) -> memoryview:
     try:
         if length == 0:
             return memoryview(b"")
-        mapping = shm.open_segment(name)
+        # Not populated here, on the event loop: the writer thread's writev faults the pages in.
+        mapping = shm.open_segment(name, populate=False)
         return memoryview(mapping)[:length]
     finally:
         shm.unlink(name)
