@@ -151,7 +151,7 @@ def test_a_client_that_reads_late_gets_every_byte(served: Served, thread_writes:
         assert body == b"".join(parts_for("/5"))
         s.sendall(request("/6"))  # the connection serves on
         assert read_response(s)[1] == b"".join(parts_for("/6"))
-    assert thread_writes and thread_writes[0][2] > 0, "the socket took the whole body at once: this case was not exercised"
+    assert thread_writes and thread_writes[0][2] > 0, "the socket took the whole body at once: nothing was left"
 
 
 def test_connection_close_waits_for_the_body(served: Served, thread_writes: list) -> None:
