@@ -232,3 +232,21 @@ def test_memory_bound_evicts():
     assert m["vitserve_cache_bytes{store=memory}"] <= 20_000 and m["vitserve_cache_items{store=memory}"] == 2
     assert m["vitserve_cache_evictions_total{store=memory}"] == 2
     assert info["memory"]["max_bytes"] == 20_000 and info["ec_shared_storage"] is None
+
+
+@pytest.mark.parametrize("where", ["worker", "server"])
+def test_repeats_without_a_cache_share_one_output_until_the_response_is_encoded(where, monkeypatch):
+    """vLLM's formats key items by content: a repeat shares the first one's output. An output read by one
+    encoder only is unlinked by that encoder; a shared one stays until the response is encoded."""
+    from service.http import app
+
+    monkeypatch.setattr(app, "renders_here", lambda *args: where == "server")  # which encoder runs
+    with ServerThread(settings(cache_bytes=0)) as srv, srv.client() as c:
+        prefix = srv.engine.names.prefix
+        for items in ([JPEG, JPEG, PNG], [PNG], [JPEG, PNG, JPEG, JPEG]):
+            r = encode(c, [{"type": "image", "image": b64(data)} for data in items], encoding_format="vllm")
+            parts = [entry["content_part"] for entry in r.json()["data"]]
+            for i, a in enumerate(items):
+                for j, b in enumerate(items):
+                    assert (parts[i] == parts[j]) == (a == b)  # a repeat gets the first one's embedding
+            assert glob.glob(f"/dev/shm/{prefix}*") == []  # every output gone with its response

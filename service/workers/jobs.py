@@ -126,8 +126,10 @@ def item_json(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: b
     from service.http import encoders
 
     item = view(result, hidden, encoders.DTYPES[dtype])
-    return encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
+    body = encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
                                                       temporal_patch_size))
+    _release([result])
+    return body
 
 
 def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidden: int) -> bytes:
@@ -135,7 +137,16 @@ def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidd
     from service.http import encoders
 
     items = [view(r, hidden, encoders.DTYPES[header["dtype"]]) for r in results]
-    return encoders.safetensors_body(items, **header)
+    body = encoders.safetensors_body(items, **header)
+    _release(results)
+    return body
+
+
+def _release(results: list[dict[str, Any]]) -> None:
+    """Unlink the outputs the server left to their encoder (read now; the pages go with the mapping)."""
+    for r in results:
+        if r.get("release"):
+            shm.unlink(r["output"].segment)
 
 
 def encode_item(ctx: Any, out: str, *args: Any) -> int:
