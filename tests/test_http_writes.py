@@ -222,3 +222,29 @@ def test_the_writer_thread_closes_its_descriptor() -> None:
         os.fstat(fd)
     a.close()
     b.close()
+
+
+def test_a_failing_write_drops_its_connection_and_the_writers_serve_on(served: Served, monkeypatch: Any) -> None:
+    """A bug in a write must not end the writer thread nor leave its client waiting for ever."""
+    real = writes.write_once
+    broken = {"left": 1}
+
+    def failing_once(fd: int, buffers: list[memoryview]) -> Any:
+        if broken["left"]:
+            broken["left"] -= 1
+            os.close(fd)
+            raise ValueError("a bug")
+        return real(fd, buffers)
+
+    monkeypatch.setattr(writes, "write_once", failing_once)
+    with served.connect() as s:
+        s.settimeout(10)
+        s.sendall(request("/1"))
+        data = b""
+        while chunk := s.recv(1 << 20):  # the server drops the connection
+            data += chunk
+        assert len(data) < len(b"".join(parts_for("/1")))
+    for _ in range(2 * writes.WRITER_THREADS):  # every writer thread still writes
+        with served.connect() as s:
+            s.sendall(request("/2"))
+            assert read_response(s)[1] == b"".join(parts_for("/2"))

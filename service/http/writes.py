@@ -19,6 +19,7 @@ asked for meanwhile happens once the thread is done.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import threading
@@ -29,6 +30,7 @@ from typing import Any
 # of the loop's CPU, where the kernel copies about 5 MB per ms into a loopback socket (2-core dev box).
 THREAD_BYTES = 256 << 10
 WRITER_THREADS = 2
+log = logging.getLogger("vitserve.http")
 
 Job = tuple[int, list[memoryview], Callable[[list[memoryview], OSError | None], None]]
 _jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
@@ -48,10 +50,17 @@ def submit(fd: int, buffers: list[memoryview], done: Callable[[list[memoryview],
 
 
 def _writer() -> None:
-    while True:
+    while True:  # a failure here must neither end the thread nor leave a connection waiting
         fd, buffers, done = _jobs.get()
-        left, error = write_once(fd, buffers)
-        done(left, error)
+        try:
+            left, error = write_once(fd, buffers)
+        except Exception as exc:
+            log.exception("writing a response failed")
+            left, error = buffers, OSError(f"{type(exc).__name__}: {exc}")
+        try:
+            done(left, error)
+        except Exception:
+            log.exception("handing a written response back failed")
 
 
 def write_once(fd: int, buffers: list[memoryview]) -> tuple[list[memoryview], OSError | None]:
