@@ -16,6 +16,7 @@ import mmap
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,14 +66,25 @@ def write(name: str, data: bytes | memoryview) -> None:
     """A new segment holding `data`, written with pwrite: no mapping in this process, so no page faults
     nor TLB shootdowns (2.4 MB: 0.7 ms against 1.7 ms through a mapping, Linux, 2 cores); raises
     OSError (ENOSPC) when /dev/shm is full, before anything is written."""
-    view = memoryview(data).cast("B")
+    write_parts(name, [data])
+
+
+def write_parts(name: str, parts: Sequence[bytes | memoryview]) -> None:
+    """A new segment holding `parts` back to back, as `write` does for one buffer (one pwritev)."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if len(view):
-            os.posix_fallocate(fd, 0, len(view))
+        if views:
+            os.posix_fallocate(fd, 0, sum(len(v) for v in views))
         done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], done)
+        while views:
+            sent = os.pwritev(fd, views, done)
+            done += sent
+            while sent:  # drop what went, cut into the first buffer that went in part
+                if sent >= len(views[0]):
+                    sent -= len(views.pop(0))
+                else:
+                    views[0], sent = views[0][sent:], 0
     except BaseException:
         unlink(name)
         raise

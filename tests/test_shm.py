@@ -40,3 +40,24 @@ def test_the_sweep_removes_what_dead_or_earlier_processes_left_and_keeps_the_liv
     finally:
         for name in (left_by_dead, left_by_predecessor, ours):
             shm.unlink(name)
+
+
+def test_parts_are_written_back_to_back_and_read_whole(monkeypatch):
+    """`write_parts` (a response entry's JSON around its payload) and a pwritev that takes only some bytes
+    per call, as the kernel may."""
+    names = shm.SegmentNames()
+    parts = [b'{"embedding":"', os.urandom(300_000), b"", memoryview(b'","shape":[1,2]}'), b"x" * 7]
+    whole = b"".join(bytes(p) for p in parts)
+    real = os.pwritev
+
+    def short(fd, buffers, offset):  # at most 1000 bytes per call
+        return real(fd, [memoryview(b)[:1000] for b in buffers[:1]], offset)
+
+    for pwritev in (real, short):
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        name = names.next("parts")
+        shm.write_parts(name, parts)
+        try:
+            assert bytes(shm.open_segment(name)) == whole
+        finally:
+            shm.unlink(name)

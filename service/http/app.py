@@ -226,8 +226,10 @@ class Service:
     def renders_here(self, fmt: str, nbytes: int) -> bool:
         return renders_here(self.engine.inflight, fmt, nbytes)
 
-    async def encoded(self, owner: Owner, here: bool, fn: str, job: str, *args: Any) -> bytes | memoryview:
-        """`jobs.<fn>(*args)` run here, or in a worker as `jobs.<job>`, which writes it to a segment."""
+    async def encoded(self, owner: Owner, here: bool, fn: str, job: str,
+                      *args: Any) -> bytes | memoryview | list[bytes]:
+        """`jobs.<fn>(*args)` run here (its body, whole or in parts), or in a worker as `jobs.<job>`, which
+        writes it to a segment."""
         if here:  # on a thread: the loop's own arena faulted a 3 MB body's pages in anew each time (3x slower)
             return await self.run_in_pool(getattr(jobs, fn), *args)
         name = self.engine.names.next("resp")

@@ -101,12 +101,18 @@ def usage(results: Sequence[Any]) -> dict[str, int]:
 
 
 def dumps_spliced(body: Any) -> bytes:
-    """JSON of `body`, whose `bytes` values are base64 text written into the output as they are.
+    """`spliced_parts(body)` joined."""
+    return b"".join(spliced_parts(body))
+
+
+def spliced_parts(body: Any) -> list[bytes]:
+    """JSON of `body`, whose `bytes` values are base64 text written into the output as they are, in
+    parts: the JSON around each payload, and the payload object itself (not copied).
 
     An image's base64 embedding is megabytes; json.dumps would scan every character for escapes
     (half the serialisation time, and base64 has nothing to escape) and then copy it twice. Each
     payload is dumped as a placeholder holding its index, between two copies of a per-call random
-    marker that no request can predict, and spliced back into the bytes afterwards.
+    marker that no request can predict, and put back in its place among the parts.
     """
     marker = f"@{uuid.uuid4().hex}@"
     payloads: list[bytes] = []
@@ -119,12 +125,12 @@ def dumps_spliced(body: Any) -> bytes:
 
     text = json.dumps(body, separators=(",", ":"), allow_nan=False, default=placeholder).encode()
     if not payloads:
-        return text
+        return [text]
     parts = text.split(marker.encode())  # [before, index, between, index, ..., after]
     out = [parts[0]]
     for i in range(1, len(parts), 2):
         out += [payloads[int(parts[i])], parts[i + 1]]
-    return b"".join(out)
+    return out
 
 
 def safetensors_body(results: Sequence[ItemView], *, request_id: str, model: str, dtype: str,

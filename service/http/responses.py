@@ -52,14 +52,19 @@ class PartsResponse(Response):
             await self.background()
 
 
-def json_parts(head: dict[str, Any], entries: Sequence[bytes | memoryview], tail: dict[str, Any]) -> list:
-    """`{**head, "data": [entries...], **tail}` as parts: the entries are ready-made JSON objects."""
+def json_parts(head: dict[str, Any], entries: Sequence[bytes | memoryview | list[bytes]],
+               tail: dict[str, Any]) -> list:
+    """`{**head, "data": [entries...], **tail}` as parts: the entries are ready-made JSON objects, each
+    whole or in parts."""
     opening = json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"data":['
     closing = b"]," + json.dumps(tail, separators=(",", ":"))[1:].encode()
     parts: list[bytes | memoryview] = [opening]
     for i, entry in enumerate(entries):
         if i:
             parts.append(b",")
-        parts.append(entry)
+        if isinstance(entry, list):
+            parts.extend(entry)
+        else:
+            parts.append(entry)
     parts.append(closing)
     return parts

@@ -121,15 +121,16 @@ def view(result: dict[str, Any], hidden: int, dtype: torch.dtype) -> ItemView:
 
 
 def item_json(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int, family: str,
-              temporal_patch_size: int) -> bytes:
-    """One item's JSON entry in a response."""
+              temporal_patch_size: int) -> list[bytes]:
+    """One item's JSON entry in a response, in parts (`encoders.spliced_parts`: a megabytes-long base64
+    payload is not copied into one joined body)."""
     from service.http import encoders
 
     item = view(result, hidden, encoders.DTYPES[dtype])
-    body = encoders.dumps_spliced(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
-                                                      temporal_patch_size))
+    parts = encoders.spliced_parts(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
+                                                       temporal_patch_size))
     _release([result])
-    return body
+    return parts
 
 
 def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidden: int) -> bytes:
@@ -156,12 +157,12 @@ def encode_item(ctx: Any, out: str, *args: Any) -> int:
 
 def encode_safetensors(ctx: Any, out: str, *args: Any) -> int:
     """`safetensors_file` into segment `out`; returns its length in bytes."""
-    return _written(out, safetensors_file(*args))
+    return _written(out, [safetensors_file(*args)])
 
 
-def _written(out: str, body: bytes) -> int:
-    shm.write(out, body)
-    return len(body)
+def _written(out: str, parts: list[bytes]) -> int:
+    shm.write_parts(out, parts)
+    return sum(len(p) for p in parts)
 
 
 
