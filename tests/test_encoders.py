@@ -21,11 +21,11 @@ from service.workers.jobs import ItemView as ItemResult
 def json_body(results, *, request_id: str, model: str, fmt: str, dtype: str, include_deepstack: bool,
               family: str = "", temporal_patch_size: int = 2) -> bytes:
     """A whole response body from its entries, as the server joins them."""
-    return encoders.dumps_spliced({
+    return b"".join(encoders.spliced_parts({
         "id": request_id, "model": model,
         "data": [encoders.item_entry(r, fmt, dtype, include_deepstack, family, temporal_patch_size)
                  for r in results],
-        "usage": encoders.usage(results)})
+        "usage": encoders.usage(results)}))
 
 
 def result(index=0, modality="image", tokens=6, hidden=8, layers=0, dtype=torch.float32, item_id=None, meta=None):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -156,6 +157,12 @@ class Handoff:
         if self.cache.enabled:
             self.cache.put(cid, entry)
         return entry
+
+    def releasable(self, results: Sequence[ItemResult]) -> list[bool]:
+        """Per result: may its encoder unlink its output once read (no other result of the response
+        shares the segment, and the cache does not own it)? `release` then finds it gone."""
+        uses = Counter(r.output.segment for r in results)
+        return [uses[r.output.segment] == 1 and not self.cache.owns(r.output.segment) for r in results]
 
     def release(self, results: Sequence[ItemResult]) -> None:
         """The response is encoded: cached segments are unpinned, the others unlinked."""

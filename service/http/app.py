@@ -11,7 +11,6 @@ import logging
 import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -199,12 +198,8 @@ class Service:
         assert model is not None
         request_id = "enc-" + uuid.uuid4().hex
         headers = {"x-request-id": request_id, "x-vitserve-cache-hits": str(sum(r.cached for r in results))}
-        # An output read by one encoder only, and not the cache's, is unlinked by that encoder once read:
-        # freeing its pages is then off the event loop (`handoff.release` finds it gone).
-        uses = Counter(r.output.segment for r in results)
-        cache = self.handoff.cache
-        shared = [_result_fields(r, release=uses[r.output.segment] == 1 and not cache.owns(r.output.segment))
-                  for r in results]
+        # The encoder unlinks an output it alone reads: freeing its pages is then off the event loop.
+        shared = [_result_fields(r, release) for r, release in zip(results, self.handoff.releasable(results))]
         safetensors = encoders.SAFETENSORS_MEDIA_TYPE in request.headers.get("accept", "")
         here = self.renders_here("safetensors" if safetensors else out.encoding_format,
                                  sum(r.output.nbytes for r in results))
@@ -450,7 +445,7 @@ def renders_here(inflight: int, fmt: str, nbytes: int) -> bool:
     return inflight == 1 and fmt != "float" and nbytes <= RENDER_HERE_BYTES
 
 
-def _result_fields(r: ItemResult, release: bool = False) -> dict[str, Any]:
+def _result_fields(r: ItemResult, release: bool) -> dict[str, Any]:
     """What a worker needs of a result to encode it (picklable, no tensors); `release`: the encoder unlinks
     the output's segment once it has read it."""
     return {"index": r.index, "modality": r.modality, "id": r.id, "grid_thw": list(r.grid_thw),

@@ -100,11 +100,6 @@ def usage(results: Sequence[Any]) -> dict[str, int]:
 
 
 
-def dumps_spliced(body: Any) -> bytes:
-    """`spliced_parts(body)` joined."""
-    return b"".join(spliced_parts(body))
-
-
 def spliced_parts(body: Any) -> list[bytes]:
     """JSON of `body`, whose `bytes` values are base64 text written into the output as they are, in
     parts: the JSON around each payload, and the payload object itself (not copied).
