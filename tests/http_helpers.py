@@ -28,6 +28,7 @@ from service.http.app import create_app
 from service.http.server import uvicorn_config
 from service.metrics import Metrics
 from service.settings import ServeSettings
+from service.shm import POOL, SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 # The encoder-output cache is off: most tests send the same media again and mean the engine to run it
@@ -221,3 +222,9 @@ def loopback_http_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[Thre
 
 def server_url(httpd: ThreadingHTTPServer) -> str:
     return f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def shm_entries(prefix: str, pools: bool = True) -> list[str]:
+    """What /dev/shm holds under names starting with `prefix`: segments, and (unless `pools` is False) the
+    pools of retired files that a serving front keeps (service.shm.retire)."""
+    return sorted(p.name for p in SHM_DIR.glob(f"{prefix}*") if pools or not p.name.endswith(f"_{POOL}"))

@@ -26,7 +26,7 @@ from service import settings as settings_module
 from service.media.image_preprocess import preprocess_image_bytes
 from service.settings import ServeSettings, SettingsError
 from service.shm import PREFIX as SEGMENT_PREFIX
-from tests.http_helpers import SubprocessServer, b64, image_bytes
+from tests.http_helpers import SubprocessServer, b64, image_bytes, shm_entries
 
 BUDGET = 256
 DELAY_MS = 300  # per batch, in the engine: keeps batches in flight long enough to kill one
@@ -59,8 +59,8 @@ def in_flight(url: str) -> float:
     return 0.0
 
 
-def segments(pid: int) -> list[str]:
-    return glob.glob(f"/dev/shm/{SEGMENT_PREFIX}{pid}_*")
+def segments(pid: int, pools: bool = True) -> list[str]:
+    return shm_entries(f"{SEGMENT_PREFIX}{pid}_", pools)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
@@ -173,7 +173,7 @@ def test_killed_engine_fails_its_requests_and_the_others_keep_serving(served, re
         assert r.status_code == 200
         for got, want in zip(embeddings(r), expected(reference, k)):
             np.testing.assert_array_equal(got, want)
-    assert segments(served.proc.pid) == []  # the dead engine's segments were unlinked
+    assert segments(served.proc.pid, pools=False) == []  # the dead engine's segments were unlinked
 
 
 def children(pid: int) -> set[int]:

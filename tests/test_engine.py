@@ -4,7 +4,6 @@ reassembly, cancellation, failures, admission, states and the shared memory it l
 from __future__ import annotations
 
 import asyncio
-import glob
 import threading
 
 import pytest
@@ -18,7 +17,7 @@ from service.engine.executor import BatchExecutor
 from service.engine.types import EngineFailure, ItemError, ItemResult, MediaItem, NotReady, Overloaded, RequestRejected
 from service.media.image_preprocess import preprocess_image_bytes
 from service.workers.jobs import load_rows
-from tests.http_helpers import image_bytes, settings
+from tests.http_helpers import image_bytes, settings, shm_entries
 
 SIZES = [(64, 64), (200, 150), (90, 300), (56, 56), (400, 120), (150, 150)]
 
@@ -58,7 +57,7 @@ def run(tower, body, runner: GraphRunner | None = None, **overrides):
             engine.stop()
 
     result = asyncio.run(main())
-    assert glob.glob(f"/dev/shm/{engine.names.prefix}*") == []
+    assert shm_entries(engine.names.prefix) == []  # segments and the pool of retired files
     return result
 
 

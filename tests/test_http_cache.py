@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import errno
-import glob
 import json
 import os
 import stat
@@ -19,9 +18,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 
+from service import shm
 from service.handoff import ec_storage
 from service.handoff.ec_storage import FILE_NAME, TENSOR_KEY
-from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from tests.http_helpers import ServerThread, b64, image_bytes, settings, shm_entries
 from tests.videos import make_video
 
 JPEG = image_bytes(448, 448, seed=5, fmt="JPEG")
@@ -66,8 +66,8 @@ def test_a_stopped_server_leaves_no_cached_segment_behind():
     with ServerThread(settings(cache_bytes=32 << 20)) as srv, srv.client() as c:
         assert encode(c, [{"type": "image", "image": b64(JPEG)}], encoding_format="base64").status_code == 200
         prefix = srv.engine.names.prefix
-        assert glob.glob(f"/dev/shm/{prefix}*")  # the cached output, kept while serving
-    assert glob.glob(f"/dev/shm/{prefix}*") == []
+        assert shm_entries(prefix, pools=False)  # the cached output, kept while serving
+    assert shm_entries(prefix) == []  # and the pool of retired files
 
 
 def test_a_repeated_request_is_served_from_the_cache(cached):
@@ -237,7 +237,7 @@ def test_memory_bound_evicts():
 @pytest.mark.parametrize("where", ["worker", "server"])
 def test_repeats_without_a_cache_share_one_output_until_the_response_is_encoded(where, monkeypatch):
     """vLLM's formats key items by content: a repeat shares the first one's output. An output read by one
-    encoder only is unlinked by that encoder; a shared one stays until the response is encoded."""
+    encoder only is retired by that encoder; a shared one stays until the response is encoded."""
     from service.http import app
 
     monkeypatch.setattr(app, "renders_here", lambda *args: where == "server")  # which encoder runs
@@ -249,4 +249,28 @@ def test_repeats_without_a_cache_share_one_output_until_the_response_is_encoded(
             for i, a in enumerate(items):
                 for j, b in enumerate(items):
                     assert (parts[i] == parts[j]) == (a == b)  # a repeat gets the first one's embedding
-            assert glob.glob(f"/dev/shm/{prefix}*") == []  # every output gone with its response
+            assert shm_entries(prefix, pools=False) == []  # every output gone with its response
+
+
+@pytest.mark.parametrize("where", ["worker", "server"])
+def test_pixels_and_outputs_are_written_into_retired_files_without_mixing_answers(where, monkeypatch):
+    """The engine retires the pixels it has read and the encoder the output it has encoded; the next writes
+    take those files (service.shm.retire). Answers of different sizes, one after another, stay exact, and
+    the pool holds a few files rather than one per segment written."""
+    from service.http import app
+
+    monkeypatch.setattr(app, "renders_here", lambda *args: where == "server")
+    images = [JPEG, image_bytes(320, 240, seed=7, fmt="JPEG"), image_bytes(640, 448, seed=8, fmt="JPEG")]
+    with ServerThread(settings(cache_bytes=0)) as srv, srv.client() as c:
+        prefix = srv.engine.names.prefix
+        def embedding(data: bytes) -> np.ndarray:
+            r = encode(c, [{"type": "image", "image": b64(data)}], encoding_format="base64")
+            return rows(r.json()["data"][0])
+
+        first = [embedding(data) for data in images]
+        for k in range(12):
+            np.testing.assert_array_equal(embedding(images[k % 3]), first[k % 3])
+        sizes = [int(p.split("_")[0]) for p in os.listdir(shm.SHM_DIR / (prefix + shm.POOL))]
+        assert 2 <= len(sizes) <= 6, sizes  # pixels and outputs of the three sizes, taken again and again
+        assert shm_entries(prefix, pools=False) == []
+    assert shm_entries(prefix) == []  # the pool goes with the server

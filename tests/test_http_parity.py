@@ -8,7 +8,6 @@ eager forward, and through transformers' `get_image_features` in fp32.
 from __future__ import annotations
 
 import base64
-import glob
 import io
 import json
 import struct
@@ -22,7 +21,7 @@ from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
 from service.media.image_preprocess import preprocess_image_bytes
 from tests.checkpoints import write_checkpoint
-from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from tests.http_helpers import ServerThread, b64, image_bytes, settings, shm_entries
 from tests.videos import make_video
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen3-vl"]
@@ -274,7 +273,7 @@ def test_a_response_is_the_same_whether_the_front_or_a_worker_encodes_it(served,
     assert (encodes == []) == (where == "front")  # the forced path is the one that ran
     monkeypatch.setattr(service, "renders_here", lambda *_: where != "front")
     assert bodies() == got
-    assert glob.glob(f"/dev/shm/{service.engine.names.prefix}*") == []  # no segment left behind
+    assert shm_entries(service.engine.names.prefix, pools=False) == []  # no segment left behind
 
 
 def _recording(call, calls: list[str]):

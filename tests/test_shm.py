@@ -1,11 +1,16 @@
-"""Segments left behind: the sweep a starting server runs over /dev/shm."""
+"""Shared-memory segments: how they are written, retired into a front's pool and taken again, and the
+sweep a starting server runs over /dev/shm."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
+
+import pytest
 
 from service import shm
 
@@ -61,3 +66,119 @@ def test_parts_are_written_back_to_back_and_read_whole(monkeypatch):
             assert bytes(shm.open_segment(name)) == whole
         finally:
             shm.unlink(name)
+
+
+@pytest.fixture
+def names():
+    names = shm.SegmentNames()
+    names.open_pool()
+    yield names
+    names.close_pool()
+    assert not names.pool.exists()
+
+
+def _pooled(names: shm.SegmentNames) -> dict[int, int]:
+    """inode -> size of the pool's files."""
+    return {(names.pool / e).stat().st_ino: (names.pool / e).stat().st_size for e in os.listdir(names.pool)}
+
+
+def _inode(name: str) -> int:
+    return (shm.SHM_DIR / name).stat().st_ino
+
+
+def test_a_retired_segment_is_rewritten_in_place_holding_only_the_new_bytes(names):
+    first = names.next("out")
+    shm.write(first, os.urandom(400_000))
+    inode = _inode(first)
+    shm.retire(first)
+    assert not _exists(first) and _pooled(names) == {inode: 400_000}
+    for size in (250_000, 700_000):  # smaller, then larger than the file it takes
+        data = os.urandom(size)
+        name = names.next("out")
+        shm.write(name, data)
+        assert _inode(name) == inode and _pooled(names) == {}
+        assert bytes(shm.open_segment(name)) == data  # exactly the new bytes: cut to size, written over whole
+        shm.retire(name)
+    assert _pooled(names) == {inode: 700_000}
+
+
+def test_a_write_takes_the_closest_fit_never_one_over_twice_its_size_and_small_ones_stay_out(names):
+    inodes = {}
+    for size in (100_000, 300_000, 1_000_000):
+        name = names.next("px")
+        shm.write(name, b"x" * size)
+        inodes[size] = _inode(name)
+    for name in names.prefix + "px0", names.prefix + "px1", names.prefix + "px2":
+        shm.retire(name)
+    small = names.next("px")
+    shm.write(small, b"y" * (shm.RECYCLED_MIN_BYTES - 1))
+    assert _inode(small) not in inodes.values()  # too small to take a pooled file
+    shm.retire(small)
+    assert not _exists(small) and len(_pooled(names)) == 3  # nor to join the pool
+    taken = []
+    for size in (250_000, 2_000_000, 70_000):  # the smallest above, else the largest below
+        name = names.next("px")
+        shm.write(name, b"z" * size)
+        taken.append(_inode(name))
+        if size == 2_000_000:
+            shm.retire(name)  # back, as a file of 2 MB
+        else:
+            shm.unlink(name)
+    assert taken == [inodes[300_000], inodes[1_000_000], inodes[100_000]]
+    name = names.next("px")
+    shm.write(name, b"z" * 900_000)  # the pool's one file is over twice the size: a fresh file
+    assert _inode(name) != inodes[1_000_000] and len(_pooled(names)) == 1
+    shm.unlink(name)
+
+
+def test_the_pool_is_bounded_and_closed_pools_unlink(names, monkeypatch):
+    monkeypatch.setattr(shm, "POOL_BYTES", 1_000_000)
+    written = [names.next("out") for _ in range(4)]
+    for name in written:
+        shm.write(name, b"x" * 300_000)
+    for name in written:
+        shm.retire(name)
+        assert not _exists(name)
+    assert sorted(_pooled(names).values()) == [300_000] * 3  # the fourth would pass the bound: unlinked
+    names.close_pool()
+    late = names.next("out")
+    shm.write(late, b"x" * 300_000)  # no pool: a fresh file
+    shm.retire(late)
+    assert not _exists(late) and not names.pool.exists()
+
+
+def test_concurrent_writers_never_share_a_file(names):
+    """Threads write, read back and retire their own segments over one pool: a file taken by two writers
+    at once would show the other's bytes."""
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        for i in range(40):
+            data = bytes([k, i % 256]) * (70_000 + 997 * ((k + i) % 7))
+            name = names.next(f"t{k}_")
+            shm.write(name, data)
+            if bytes(shm.open_segment(name)) != data:
+                errors.append(name)
+            shm.retire(name)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    pooled = _pooled(names)
+    assert 0 < len(pooled) <= shm.POOL_FILES and sum(pooled.values()) <= shm.POOL_BYTES
+
+
+def test_the_sweep_removes_a_dead_front_s_pool():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    pool = shm.SHM_DIR / f"{shm.PREFIX}{int(dead.stdout)}_dddddd_{shm.POOL}"
+    pool.mkdir()
+    (pool / "100000_abc").write_bytes(b"x" * 100)
+    try:
+        assert shm.sweep_stale() >= 1
+        assert not pool.exists()
+    finally:
+        shutil.rmtree(pool, ignore_errors=True)

@@ -90,6 +90,7 @@ class Engine:
         removed = shm.sweep_stale()
         if removed:
             log.info("removed %d shared-memory segment(s) left by servers that were killed", removed)
+        self.names.open_pool()
         self.workers.start()
         threading.Thread(target=self._load, name="vitserve-load", daemon=True).start()
 
@@ -195,6 +196,7 @@ class Engine:
             b.stop(timeout)
         self.batcher.fail_inflight(stopped)
         self.workers.stop()
+        self.names.close_pool()  # the engines and workers, which retire and take its files, are gone
         log.info("stopped: %d engine(s) and %d worker process(es)", len(self.backends), self.workers.size)
 
     # ---- admission ---------------------------------------------------------------------------

@@ -96,10 +96,10 @@ class BatchExecutor:
             # The next job reuses the static output.
             return Running(job, rows.clone(), None, t0, device_s=time.perf_counter() - run_at)
         finally:
-            # A sent job's pixels are the engine's: read or not, they are unlinked here, not on the
-            # front's event loop, and after the device work is enqueued, not in its way.
+            # A sent job's pixels are the engine's: read or not, they are retired here (for the next
+            # write to reuse), not on the front's event loop, and after the device work is enqueued.
             for it in job.items:
-                shm.unlink(it.pixels)
+                shm.retire(it.pixels)
 
     def wait(self, running: Running) -> float:
         """Wait until the job has left the device (its rows are on the host); its device seconds: from

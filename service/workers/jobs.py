@@ -144,10 +144,10 @@ def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidd
 
 
 def _release(results: list[dict[str, Any]]) -> None:
-    """Unlink the outputs the server left to their encoder (read now; the pages go with the mapping)."""
+    """Retire the outputs the server left to their encoder: read now, and what was encoded is a copy."""
     for r in results:
         if r.get("release"):
-            shm.unlink(r["output"].segment)
+            shm.retire(r["output"].segment)
 
 
 def encode_item(ctx: Any, out: str, *args: Any) -> int:
