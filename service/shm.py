@@ -148,22 +148,20 @@ def write(name: str, data: bytes | memoryview) -> None:
 def write_parts(name: str, parts: Sequence[bytes | memoryview]) -> None:
     """A new segment holding `parts` back to back, as `write` does for one buffer (one pwritev). A large
     one reuses a retired file of its front's pool when there is one (`retire`): cut to the new size, and
-    written over whole, so nothing of the old contents can be read from it."""
+    written over whole, so nothing of the old contents can be read from it. On a full /dev/shm the pool's
+    files are freed and the write tried once more before ENOSPC is raised."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    try:
+        _write_views(name, views)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or not _empty_pool(name):
+            raise
+        _write_views(name, views)
+
+
+def _write_views(name: str, views: list[memoryview]) -> None:
     size = sum(len(v) for v in views)
-    fd = -1
-    if size >= RECYCLED_MIN_BYTES and _take_retired(name, size):
-        try:
-            fd = os.open(SHM_DIR / name, os.O_WRONLY)
-        except FileNotFoundError:  # unlinked meanwhile by its front (the request was cancelled)
-            pass
-        else:
-            try:
-                os.ftruncate(fd, size)
-            except BaseException:
-                os.close(fd)
-                unlink(name)
-                raise
+    fd = _open_retired(name, size) if size >= RECYCLED_MIN_BYTES else -1
     if fd < 0:
         fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -183,6 +181,38 @@ def write_parts(name: str, parts: Sequence[bytes | memoryview]) -> None:
         raise
     finally:
         os.close(fd)
+
+
+def _open_retired(name: str, size: int) -> int:
+    """A retired file renamed to `name` and cut to `size`, open for writing; -1 when there is none."""
+    if not _take_retired(name, size):
+        return -1
+    try:
+        fd = os.open(SHM_DIR / name, os.O_WRONLY)
+    except FileNotFoundError:  # unlinked meanwhile by its front (the request was cancelled)
+        return -1
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    return fd
+
+
+def _empty_pool(name: str) -> bool:
+    """Unlink every file of `name`'s pool; whether there was any."""
+    pool = pool_of(name)
+    try:
+        entries = os.listdir(pool)
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            os.unlink(pool / entry)
+        except FileNotFoundError:
+            pass
+    return bool(entries)
 
 
 def write_array(name: str, arr: np.ndarray) -> None:

@@ -3,6 +3,7 @@ sweep a starting server runs over /dev/shm."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -182,3 +183,30 @@ def test_the_sweep_removes_a_dead_front_s_pool():
         assert not pool.exists()
     finally:
         shutil.rmtree(pool, ignore_errors=True)
+
+
+def test_a_full_dev_shm_frees_the_pool_before_refusing_a_write(names, monkeypatch):
+    """The pool's files hold room that a write on a full /dev/shm needs: they go, and the write is tried
+    once more; with an empty pool ENOSPC stands."""
+    kept = names.next("out")
+    shm.write(kept, b"x" * 300_000)
+    shm.retire(kept)
+    real = os.posix_fallocate
+
+    def full_while_pooled(fd, offset, length):  # room only once the pool is empty
+        if os.listdir(names.pool):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_while_pooled)
+    name = names.next("out")
+    shm.write(name, b"y" * 100_000)  # too small to take the 300 kB file: a fresh one, which does not fit
+    assert bytes(shm.open_segment(name)) == b"y" * 100_000 and _pooled(names) == {}
+    shm.unlink(name)
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError) as refused:
+        shm.write(names.next("out"), b"z" * 100_000)
+    assert refused.value.errno == errno.ENOSPC and not any(shm.SHM_DIR.glob(f"{names.prefix}out*"))
