@@ -137,8 +137,8 @@ class _Group:
         """The cheapest way to run these items: one replay in the smallest budget that holds them;
         parts of them replayed in smaller budgets (the largest items first fill the next budget down,
         the rest is closed the same way); or one eager forward at their exact size ("padding"), which
-        must beat the best replays by `PADDING_MARGIN` (and their eager parts by anything). Without
-        measured costs: one replay."""
+        must beat the best replays by `PADDING_MARGIN`, or a split with an eager part by anything.
+        Without measured costs: one replay."""
         whole = self.fit(members)
         assert whole.key is not None
         if self.cost is None:
@@ -159,13 +159,13 @@ class _Group:
                 parts = [self.fit(head), *self.close(rest)]
                 if sum(map(self.price, parts)) < self.price(whole):
                     best = parts
-        # The graph wins ties, but only what replays: a split that already runs a part eagerly is one
-        # forward more than running everything eagerly (8 images 1344x756: a 8192-token replay of six and
-        # an eager pass of two cost 2.5-4% more than one eager pass of all, H200, every family).
-        replayed = sum(self.price(b) for b in best if b.reason is None)
-        run_eagerly = sum(self.price(b) for b in best if b.reason is not None)
+        # The graph wins ties against an eager pass, not against a split that already runs a part eagerly:
+        # that is one forward more than running everything eagerly (8 images 1344x756: a 8192-token replay
+        # of six and an eager pass of two cost 2.5-4% more than one eager pass of all, H200, every family).
         eager = Batch(whole.key, whole.items, whole.tokens, whole.segments, "padding")
-        return [eager] if self.price(eager) < PADDING_MARGIN * replayed + run_eagerly else best
+        split = sum(self.price(b) for b in best)
+        margin = 1.0 if any(b.reason is not None for b in best) else PADDING_MARGIN
+        return [eager] if self.price(eager) < margin * split else best
 
 
 def _fit(batch: Batch, plan: BudgetPlan, modality: str, length_class: int) -> Batch:
