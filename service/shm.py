@@ -95,7 +95,9 @@ def pool_of(name: str) -> Path:
 
 
 def _pooled_size(entry: str) -> int:
-    return int(entry.split("_", 1)[0])
+    """The size a pooled file's name records (<bytes>_<random>); 0 for a name of any other form."""
+    head = entry.split("_", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def retire(name: str) -> None:
