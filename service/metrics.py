@@ -191,6 +191,12 @@ class Metrics:
                                         "previous batch's end) to its results on the host. Its sum's rate is "
                                         "how busy the engines are (1 per engine at most)",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_step_seconds = Histogram("vitserve_engine_step_duration_seconds",
+                                             "Host time of one batch's steps in its engine: stage (its pixels "
+                                             "read into one page-locked buffer), launch (its copies and replay "
+                                             "or forward enqueued; on the CPU, the forward itself), write (its "
+                                             "outputs into their segments)",
+                                             ["step"], buckets=LATENCY_BUCKETS, registry=r)
         self.loop_lag_seconds = Histogram("vitserve_event_loop_lag_seconds",
                                           f"How late the event loop ran a callback due now (sampled every "
                                           f"{LAG_PERIOD_S:g} s): what every request's next step waits for while "

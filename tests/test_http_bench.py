@@ -56,9 +56,13 @@ def test_http_bench_on_cpu(tmp_path):
         server_ms = level["server_ms"]
         assert set(server_ms) == {"request", "preprocess", "queue", "gpu_per_batch", "render", "worker_wait",
                                  "items_per_batch", "cpu_cores", "body", "parse", "prepare_wall", "engine_wall",
-                                 "device_per_batch", "device_busy", "loop_lag", "loop_lag_over_25ms"}
+                                 "device_per_batch", "device_busy", "loop_lag", "loop_lag_over_25ms",
+                                 "engine_stage", "engine_launch", "engine_write"}
         # A batch's device time is part of its time in the engine; one engine is busy at most all the level.
         assert 0 < server_ms["device_per_batch"] <= server_ms["gpu_per_batch"]
+        # So are its host steps there, one after another (on the CPU the forward is the launch).
+        steps = [server_ms[f"engine_{step}"] for step in ("stage", "launch", "write")]
+        assert all(s > 0 for s in steps) and sum(steps) <= server_ms["gpu_per_batch"] + 0.002  # ms, rounded
         assert 0 < server_ms["device_busy"] <= 1.0
         assert 0 <= server_ms["loop_lag"] < server_ms["request"] + 100  # sampled every 0.1 s, late by some ms
         assert 0 <= server_ms["loop_lag_over_25ms"] <= 1

@@ -403,6 +403,10 @@ STAGES = {
     "queue": "vitserve_queue_duration_seconds",
     "gpu_per_batch": "vitserve_gpu_duration_seconds",  # staged to written: includes the batch before it
     "device_per_batch": "vitserve_device_duration_seconds",
+    # the engine's host steps per batch (the rest of gpu_per_batch is waiting for the device)
+    "engine_stage": "vitserve_engine_step_duration_seconds@stage",
+    "engine_launch": "vitserve_engine_step_duration_seconds@launch",
+    "engine_write": "vitserve_engine_step_duration_seconds@write",
     "render": "vitserve_render_duration_seconds",
     "worker_wait": "vitserve_worker_wait_duration_seconds",  # per job: a request has two or more
     "items_per_batch": "vitserve_batch_items",
@@ -436,9 +440,10 @@ def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, 
         if sample.name == f"{LOOP_LAG}_bucket" and sample.labels.get("le") == LOOP_STALL_LE:
             samples[LOOP_STALL_KEY] = samples.get(LOOP_STALL_KEY, 0.0) + sample.value
             continue
-        labels = set(sample.labels) - {"phase"}
+        label = sample.labels.get("phase") or sample.labels.get("step")
+        labels = set(sample.labels) - {"phase", "step"}
         if labels <= {"front", "job"}:  # summed over fronts, and over jobs for worker_wait
-            key = sample.name + (f"@{sample.labels['phase']}" if "phase" in sample.labels else "")
+            key = sample.name + (f"@{label}" if label else "")
             samples[key] = samples.get(key, 0.0) + sample.value
     totals = {}
     for stage, name in STAGES.items():

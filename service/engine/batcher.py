@@ -204,9 +204,11 @@ class Batcher:
             return
         self._outstanding[engine.index] -= flight.job.batch.tokens
         if kind == "done":  # the engine has unlinked the job's pixels, as it does on "error" too
-            _, _, seconds, device_s, stats = message
+            _, _, seconds, device_s, stats, steps = message
             engine.stats = stats
             self.metrics.device_seconds.observe(device_s)
+            for step, step_s in steps.items():
+                self.metrics.engine_step_seconds.labels(step).observe(step_s)
             self._complete(flight, seconds)
         else:
             _, _, error_id, text, code = message

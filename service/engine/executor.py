@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,9 @@ class Running:
     started: float
     begun: torch.cuda.Event | None = None  # recorded before the batch's upload
     device_s: float = 0.0  # the CPU's compute time (CUDA: measured by the events in `wait`)
+    # Host seconds of the batch's steps here: "stage" (pixels read into one buffer), "launch" (copies and
+    # replay or forward enqueued; on the CPU the forward itself), "write" (outputs into their segments).
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 class BatchExecutor:
@@ -92,9 +95,12 @@ class BatchExecutor:
                     out.copy_(rows, non_blocking=True)
                     event = torch.cuda.Event(enable_timing=True)
                     event.record()
-                    return Running(job, out, event, t0, begun)
+                    steps = {"stage": run_at - t0, "launch": time.perf_counter() - run_at}
+                    return Running(job, out, event, t0, begun, steps=steps)
             # The next job reuses the static output.
-            return Running(job, rows.clone(), None, t0, device_s=time.perf_counter() - run_at)
+            done = time.perf_counter()
+            return Running(job, rows.clone(), None, t0, device_s=done - run_at,
+                           steps={"stage": run_at - t0, "launch": done - run_at})
         finally:
             # A sent job's pixels are the engine's: read or not, they are retired here (for the next
             # write to reuse), not on the front's event loop, and after the device work is enqueued.
@@ -115,6 +121,7 @@ class BatchExecutor:
 
     def finish(self, running: Running) -> float:
         """Write each item's rows to its segment (after `wait`); the job's seconds since it was staged."""
+        started = time.perf_counter()
         raw = running.rows.view(torch.uint8).numpy() if running.rows.numel() else None
         offset = 0
         written: list[str] = []
@@ -130,13 +137,16 @@ class BatchExecutor:
             for name in written:  # nothing half-written stays behind
                 shm.unlink(name)
             raise
-        return time.perf_counter() - running.started
+        done = time.perf_counter()
+        running.steps["write"] = done - started
+        return done - running.started
 
 
 def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
                reply: Callable[[tuple], None], name: str = "vitserve-complete") -> None:
     """Run jobs from `receive` (None: stop) until it stops; replies ("free", job id) once a job has left
-    the device, then ("done", job id, seconds, device seconds, pool stats) or ("error", job id, error id,
+    the device, then ("done", job id, seconds, device seconds, pool stats, host seconds by step) or
+    ("error", job id, error id,
     message, code), through `reply`, which may be called from two threads."""
     lock = threading.Lock()
     pending: queue.Queue[Running | None] = queue.Queue()
@@ -151,7 +161,7 @@ def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
                 device_s = executor.wait(running)
                 send(("free", running.job.id))
                 seconds = executor.finish(running)
-                send(("done", running.job.id, seconds, device_s, executor.stats()))
+                send(("done", running.job.id, seconds, device_s, executor.stats(), running.steps))
             except Exception as exc:
                 send(_failure(running.job, exc))
 
