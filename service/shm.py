@@ -128,10 +128,10 @@ def _take_retired(name: str, size: int) -> bool:
     except OSError:
         return False
     target = SHM_DIR / name
+    if entries and target.exists():  # what O_CREAT | O_EXCL refuses for a fresh file: a rename would replace it
+        raise FileExistsError(errno.EEXIST, "segment exists", str(target))
     fits = sorted((n, e) for n, e in entries if size <= n <= 2 * size)
     for _, entry in fits + sorted((n, e) for n, e in entries if n < size)[::-1]:
-        if target.exists():  # what O_CREAT | O_EXCL refuses for a fresh file: a rename would replace it
-            raise FileExistsError(errno.EEXIST, "segment exists", str(target))
         try:
             os.rename(pool / entry, target)
             return True

@@ -101,6 +101,12 @@ def test_a_retired_segment_is_rewritten_in_place_holding_only_the_new_bytes(name
         assert bytes(shm.open_segment(name)) == data  # exactly the new bytes: cut to size, written over whole
         shm.retire(name)
     assert _pooled(names) == {inode: 700_000}
+    taken = names.next("out")
+    shm.write(taken, b"x" * 100_000)
+    with pytest.raises(FileExistsError):  # a name is written once, pool or not
+        shm.write(taken, b"y" * 700_000)
+    assert bytes(shm.open_segment(taken)) == b"x" * 100_000 and _pooled(names) == {inode: 700_000}
+    shm.unlink(taken)
 
 
 def test_a_write_takes_the_closest_fit_never_one_over_twice_its_size_and_small_ones_stay_out(names):
