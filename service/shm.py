@@ -57,7 +57,7 @@ class SegmentNames:
 
     @property
     def pool(self) -> Path:
-        return SHM_DIR / f"{self.prefix}{POOL}"
+        return pool_of(self.prefix)
 
     def open_pool(self) -> None:
         """From now on, retired segments of these names are kept for reuse (up to `POOL_BYTES`)."""

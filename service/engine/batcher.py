@@ -203,7 +203,7 @@ class Batcher:
         if flight is None:
             return
         self._outstanding[engine.index] -= flight.job.batch.tokens
-        if kind == "done":  # the engine has unlinked the job's pixels, as it does on "error" too
+        if kind == "done":  # the engine has retired the job's pixels, as it does on "error" too
             _, _, seconds, device_s, stats, steps = message
             engine.stats = stats
             self.metrics.device_seconds.observe(device_s)

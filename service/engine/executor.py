@@ -146,8 +146,7 @@ def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
                reply: Callable[[tuple], None], name: str = "vitserve-complete") -> None:
     """Run jobs from `receive` (None: stop) until it stops; replies ("free", job id) once a job has left
     the device, then ("done", job id, seconds, device seconds, pool stats, host seconds by step) or
-    ("error", job id, error id,
-    message, code), through `reply`, which may be called from two threads."""
+    ("error", job id, error id, message, code), through `reply`, which may be called from two threads."""
     lock = threading.Lock()
     pending: queue.Queue[Running | None] = queue.Queue()
 

@@ -159,7 +159,7 @@ class Handoff:
         return entry
 
     def releasable(self, results: Sequence[ItemResult]) -> list[bool]:
-        """Per result: may its encoder unlink its output once read (no other result of the response
+        """Per result: may its encoder retire its output once read (no other result of the response
         shares the segment, and the cache does not own it)? `release` then finds it gone."""
         uses = Counter(r.output.segment for r in results)
         return [uses[r.output.segment] == 1 and not self.cache.owns(r.output.segment) for r in results]

@@ -198,7 +198,7 @@ class Service:
         assert model is not None
         request_id = "enc-" + uuid.uuid4().hex
         headers = {"x-request-id": request_id, "x-vitserve-cache-hits": str(sum(r.cached for r in results))}
-        # The encoder unlinks an output it alone reads: freeing its pages is then off the event loop.
+        # The encoder retires an output it alone reads: giving up its file is then off the event loop.
         shared = [_result_fields(r, release) for r, release in zip(results, self.handoff.releasable(results))]
         safetensors = encoders.SAFETENSORS_MEDIA_TYPE in request.headers.get("accept", "")
         here = self.renders_here("safetensors" if safetensors else out.encoding_format,
@@ -446,8 +446,8 @@ def renders_here(inflight: int, fmt: str, nbytes: int) -> bool:
 
 
 def _result_fields(r: ItemResult, release: bool) -> dict[str, Any]:
-    """What a worker needs of a result to encode it (picklable, no tensors); `release`: the encoder unlinks
-    the output's segment once it has read it."""
+    """What a worker needs of a result to encode it (picklable, no tensors); `release`: the encoder retires
+    the output's segment once it has read it (`shm.retire`)."""
     return {"index": r.index, "modality": r.modality, "id": r.id, "grid_thw": list(r.grid_thw),
             "num_patches": r.num_patches, "num_tokens": r.num_tokens, "meta": r.meta, "output": r.output,
             "content_id": r.content_id, "uuid": r.uuid, "release": release}
