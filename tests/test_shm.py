@@ -93,23 +93,37 @@ def test_a_retired_segment_is_rewritten_in_place_holding_only_the_new_bytes(name
     inode = _inode(first)
     shm.retire(first)
     assert not _exists(first) and _pooled(names) == {inode: 400_000}
-    for size in (250_000, 700_000):  # smaller, then larger than the file it takes
+    for size in (360_000, 400_000):  # smaller, then larger than the file it takes
         data = os.urandom(size)
         name = names.next("out")
         shm.write(name, data)
         assert _inode(name) == inode and _pooled(names) == {}
         assert bytes(shm.open_segment(name)) == data  # exactly the new bytes: cut to size, written over whole
         shm.retire(name)
-    assert _pooled(names) == {inode: 700_000}
+    assert _pooled(names) == {inode: 400_000}
     taken = names.next("out")
     shm.write(taken, b"x" * 100_000)
     with pytest.raises(FileExistsError):  # a name is written once, pool or not
-        shm.write(taken, b"y" * 700_000)
-    assert bytes(shm.open_segment(taken)) == b"x" * 100_000 and _pooled(names) == {inode: 700_000}
+        shm.write(taken, b"y" * 400_000)
+    assert bytes(shm.open_segment(taken)) == b"x" * 100_000 and _pooled(names) == {inode: 400_000}
     shm.unlink(taken)
 
 
-def test_a_write_takes_the_closest_fit_never_one_over_twice_its_size_and_small_ones_stay_out(names):
+def test_pixels_and_outputs_of_one_request_keep_a_file_each(names):
+    """A request writes its pixels (1.2 MB), the engine retires them and writes the output (1.8 MB), the
+    encoder retires that: once both sizes are in the pool, each write takes a file of its own size and
+    no file is cut or grown (which frees or zeroes pages)."""
+    inodes: dict[str, set[int]] = {"px": set(), "out": set()}
+    for _ in range(4):
+        for kind, size in (("px", 1_204_224), ("out", 1_835_008)):
+            name = names.next(kind)
+            shm.write(name, b"x" * size)
+            inodes[kind].add(_inode(name))
+            shm.retire(name)
+    assert len(inodes["px"]) == len(inodes["out"]) == 1 and inodes["px"] != inodes["out"]
+
+
+def test_a_write_takes_the_closest_fit_within_an_eighth_of_its_size_and_small_ones_stay_out(names):
     inodes = {}
     for size in (100_000, 300_000, 1_000_000):
         name = names.next("px")
@@ -123,19 +137,20 @@ def test_a_write_takes_the_closest_fit_never_one_over_twice_its_size_and_small_o
     shm.retire(small)
     assert not _exists(small) and len(_pooled(names)) == 3  # nor to join the pool
     taken = []
-    for size in (250_000, 2_000_000, 70_000):  # the smallest above, else the largest below
+    for size in (290_000, 1_050_000, 95_000):  # the smallest above, else the largest below
         name = names.next("px")
         shm.write(name, b"z" * size)
         taken.append(_inode(name))
-        if size == 2_000_000:
-            shm.retire(name)  # back, as a file of 2 MB
+        if size == 1_050_000:
+            shm.retire(name)  # back, as a file of 1.05 MB
         else:
             shm.unlink(name)
     assert taken == [inodes[300_000], inodes[1_000_000], inodes[100_000]]
-    name = names.next("px")
-    shm.write(name, b"z" * 900_000)  # the pool's one file is over twice the size: a fresh file
-    assert _inode(name) != inodes[1_000_000] and len(_pooled(names)) == 1
-    shm.unlink(name)
+    for size in (900_000, 1_250_000):  # the pool's one file is more than an eighth above, then below
+        name = names.next("px")
+        shm.write(name, b"z" * size)
+        assert _inode(name) != inodes[1_000_000] and len(_pooled(names)) == 1
+        shm.unlink(name)
 
 
 def test_the_pool_is_bounded_and_closed_pools_unlink(names, monkeypatch):
@@ -143,10 +158,19 @@ def test_the_pool_is_bounded_and_closed_pools_unlink(names, monkeypatch):
     written = [names.next("out") for _ in range(4)]
     for name in written:
         shm.write(name, b"x" * 300_000)
+    inodes = []
     for name in written:
+        inodes.append(_inode(name))
         shm.retire(name)
         assert not _exists(name)
-    assert sorted(_pooled(names).values()) == [300_000] * 3  # the fourth would pass the bound: unlinked
+    # The fourth would pass the bound: the oldest makes room for it.
+    assert set(_pooled(names)) == set(inodes[1:]) and sum(_pooled(names).values()) == 900_000
+    monkeypatch.setattr(shm, "POOL_FILES", 2)
+    newest = names.next("out")
+    shm.write(newest, b"x" * 100_000)  # a fresh file: no pooled one within an eighth of its size
+    inodes.append(_inode(newest))
+    shm.retire(newest)
+    assert set(_pooled(names)) == set(inodes[3:])  # at most two files: the two retired last
     names.close_pool()
     late = names.next("out")
     shm.write(late, b"x" * 300_000)  # no pool: a fresh file
