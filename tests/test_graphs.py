@@ -191,6 +191,32 @@ def test_equal_tokens_different_boundaries_share_a_graph_and_stay_right(runner):
             assert rel_err(out.embeds, solo(runner, it).embeds) < 1e-5
 
 
+def test_recurring_batches_reuse_their_packed_metadata_within_a_bound(runner, monkeypatch):
+    from graphs import pool as graph_pool
+
+    m = runner.tower.merge
+    a = make_items(runner.tower, [(1, 4 * m, 4 * m), (1, 4 * m, 4 * m)], 1)
+    b = make_items(runner.tower, [(1, 2 * m, 4 * m), (1, 6 * m, 4 * m)], 2)  # same graph, other boundaries
+    cache = runner.pool._meta_cache
+    cache.clear()
+    runner.pool._meta_cache_bytes = 0
+    first = [out.embeds for out in runner.encode(a)]
+    (key_a, staged_a), = cache.items()
+    runner.encode(b)
+    assert len(cache) > 1 and runner.pool._meta_cache_bytes == sum(t.numel() for t in cache.values())
+    again = [out.embeds for out in runner.encode(a)]
+    assert cache[key_a] is staged_a and list(cache)[-1] == key_a  # reused, and now the most recent
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    bound = max(t.numel() for t in cache.values())
+    monkeypatch.setattr(graph_pool, "META_CACHE_BYTES", bound)
+    cache.clear()
+    runner.pool._meta_cache_bytes = 0
+    runner.encode(a)
+    runner.encode(b)  # b's entries, packed after a's, push it out
+    assert key_a not in cache and 0 < runner.pool._meta_cache_bytes <= bound
+    assert all(torch.equal(x, y) for x, y in zip(first, (out.embeds for out in runner.encode(a))))
+
+
 def test_small_then_large_then_small(runner):
     m = runner.tower.merge
     small = make_items(runner.tower, [(1, 2 * m, 3 * m)], 4)
