@@ -307,3 +307,35 @@ def test_the_engine_warms_up_its_workers() -> None:
 
     engine = Engine(ServeSettings(model="tiny-qwen2-vl", device="cpu"))
     assert engine.workers.warm_up == "service.workers.jobs:warm_up"
+
+
+def test_rows_are_read_into_one_thread_buffer_only_for_a_lone_item(monkeypatch) -> None:
+    """`views` reads a lone item's rows into the thread's scratch buffer, and several items' into their own."""
+    import torch
+
+    from service import shm
+    from service.engine.types import OutputRef
+    from service.workers import jobs
+
+    names = shm.SegmentNames()
+    rows = {n: torch.randn(n, 8).to(torch.bfloat16) for n in (3, 5)}
+    results = []
+    for n, t in rows.items():
+        name = names.next("out")
+        shm.write(name, t.view(torch.uint8).numpy().tobytes())
+        results.append({"index": n, "modality": "image", "id": None, "grid_thw": [1, 2 * n, 2], "num_patches": 4 * n,
+                        "num_tokens": n, "meta": {}, "output": OutputRef(name, n, 8, "bfloat16")})
+    try:
+        (five,) = jobs.views([results[1]], 4, torch.bfloat16)
+        assert torch.equal(five.embeds, rows[5][:, :4]) and torch.equal(five.deepstack[0], rows[5][:, 4:])
+        (three,) = jobs.views([results[0]], 4, torch.bfloat16)
+        assert torch.equal(three.joined, rows[3])
+        assert five.joined.data_ptr() == three.joined.data_ptr()  # the same buffer: the first view is spent
+        both = jobs.views(results, 8, torch.float32)  # two items at once: each in memory of its own
+        assert [torch.equal(v.embeds, rows[n].float()) for v, n in zip(both, (3, 5))] == [True, True]
+        monkeypatch.setattr(jobs, "SCRATCH_MAX_BYTES", 16)
+        (alone,) = jobs.views([results[1]], 8, torch.bfloat16)  # over the bound: a buffer of its own
+        assert torch.equal(alone.embeds, rows[5]) and alone.joined.data_ptr() != three.joined.data_ptr()
+    finally:
+        for r in results:
+            shm.unlink(r["output"].segment)

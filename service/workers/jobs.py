@@ -15,8 +15,8 @@ bug, logged with its traceback by the pool.
 
 from __future__ import annotations
 
+import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,31 +93,51 @@ def warm_up() -> None:
 
 
 # ---- responses --------------------------------------------------------------------------------
-def mapped_rows(ref: OutputRef) -> torch.Tensor:
-    """The joined rows over a read-only mapping of the segment, not copied: only read (encoders copy
-    before they convert). The mapping lives as long as the tensor; the segment must outlive the job, as
-    a response's outputs do (they are released once the response is encoded)."""
+def read_rows(ref: OutputRef, out: np.ndarray | None = None) -> torch.Tensor:
+    """The joined rows [rows, width] of the served dtype, read from the segment with pread into `out`
+    (bytes, at least `ref.nbytes`; default a new array). Reading costs less than mapping: populating and
+    unmapping one image's 1.8 MB took 0.36 ms against 0.1 ms to read it into a warm buffer (2 cores)."""
     dtype = getattr(torch, ref.dtype)
     if ref.rows == 0:
         return torch.empty((0, ref.width), dtype=dtype)
-    raw = np.frombuffer(shm.open_segment(ref.segment), dtype=np.uint8, count=ref.nbytes)
-    with warnings.catch_warnings():  # torch warns that it cannot write here; nothing does
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(raw)
-    return tensor.view(dtype).view(ref.rows, ref.width)
+    raw = (np.empty(ref.nbytes, np.uint8) if out is None else out)[:ref.nbytes]
+    shm.read_into(ref.segment, raw)
+    return torch.from_numpy(raw).view(dtype).view(ref.rows, ref.width)
 
 
 def load_rows(ref: OutputRef) -> torch.Tensor:
-    """The joined rows in the served dtype, copied: for a caller that outlives the segment."""
-    return mapped_rows(ref).clone()
+    """The joined rows in the served dtype, in memory of their own: for a caller that outlives the segment."""
+    return read_rows(ref)
 
 
-def view(result: dict[str, Any], hidden: int, dtype: torch.dtype) -> ItemView:
-    rows = mapped_rows(result["output"]).to(dtype)
-    levels = [rows[:, j:j + hidden] for j in range(0, rows.shape[1], hidden)]
-    return ItemView(result["index"], result["modality"], result["id"], tuple(result["grid_thw"]),  # type: ignore[arg-type]
-                    result["num_patches"], result["num_tokens"], result["meta"], levels[0].contiguous(),
-                    [lv.contiguous() for lv in levels[1:]], rows, result.get("content_id"), result.get("uuid"))
+# One thread's buffer for the rows it encodes, kept between jobs: a fresh one faults its pages in anew.
+_SCRATCH = threading.local()
+SCRATCH_MAX_BYTES = 16 << 20  # rows above this are read into a buffer of their own, freed after
+
+
+def _scratch(nbytes: int) -> np.ndarray | None:
+    if nbytes > SCRATCH_MAX_BYTES:
+        return None
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 4 << 20), np.uint8)
+    return buf
+
+
+def views(results: list[dict[str, Any]], hidden: int, dtype: torch.dtype) -> list[ItemView]:
+    """The items' rows split into their levels, in `dtype`. One item's rows may sit in this thread's
+    scratch buffer: use them before the thread's next call, and keep only copies."""
+    scratch = len(results) == 1
+    out = []
+    for result in results:
+        ref = result["output"]
+        rows = read_rows(ref, _scratch(ref.nbytes) if scratch else None).to(dtype)
+        levels = [rows[:, j:j + hidden] for j in range(0, rows.shape[1], hidden)]
+        out.append(ItemView(result["index"], result["modality"], result["id"], tuple(result["grid_thw"]),  # type: ignore[arg-type]
+                            result["num_patches"], result["num_tokens"], result["meta"], levels[0].contiguous(),
+                            [lv.contiguous() for lv in levels[1:]], rows, result.get("content_id"),
+                            result.get("uuid")))
+    return out
 
 
 def item_json(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int, family: str,
@@ -126,7 +146,7 @@ def item_json(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: b
     payload is not copied into one joined body)."""
     from service.http import encoders
 
-    item = view(result, hidden, encoders.DTYPES[dtype])
+    item, = views([result], hidden, encoders.DTYPES[dtype])
     parts = encoders.spliced_parts(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
                                                        temporal_patch_size))
     _release([result])
@@ -137,7 +157,7 @@ def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidd
     """Every item of a request as one safetensors body."""
     from service.http import encoders
 
-    items = [view(r, hidden, encoders.DTYPES[header["dtype"]]) for r in results]
+    items = views(results, hidden, encoders.DTYPES[header["dtype"]])
     body = encoders.safetensors_body(items, **header)
     _release(results)
     return body
