@@ -188,10 +188,11 @@ def write_parts(name: str, parts: Sequence[bytes | memoryview]) -> None:
 def _write_views(name: str, views: list[memoryview]) -> None:
     size = sum(len(v) for v in views)
     fd = _open_retired(name, size) if size >= RECYCLED_MIN_BYTES else -1
-    if fd < 0:
+    fresh = fd < 0
+    if fresh:
         fd = os.open(SHM_DIR / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if views:
+        if views and fresh:
             os.posix_fallocate(fd, 0, size)
         done = 0
         while views:
@@ -210,7 +211,8 @@ def _write_views(name: str, views: list[memoryview]) -> None:
 
 
 def _open_retired(name: str, size: int) -> int:
-    """A retired file renamed to `name` and cut to `size`, open for writing; -1 when there is none."""
+    """A retired file renamed to `name` and cut to `size`, its pages reserved, open for writing; -1 when
+    there is none."""
     if not _take_retired(name, size):
         return -1
     try:
@@ -218,7 +220,10 @@ def _open_retired(name: str, size: int) -> int:
     except FileNotFoundError:  # unlinked meanwhile by its front (the request was cancelled)
         return -1
     try:
+        grows = os.fstat(fd).st_size < size  # a file written whole has its pages: only growth needs them
         os.ftruncate(fd, size)
+        if grows:
+            os.posix_fallocate(fd, 0, size)
     except BaseException:
         os.close(fd)
         unlink(name)
