@@ -1,7 +1,8 @@
 """The graph pool: one captured forward per graph key, replayed over refreshed static buffers.
 
 Replay pattern, for every batch:
-  1. build the batch's metadata on the CPU at the key's capacity (padding = empty segments);
+  1. build the batch's metadata on the CPU at the key's capacity (padding = empty segments; kept for
+     batches that recur, such as a lone image of a common size);
   2. copy the pixels, then all metadata arrays at once, into the static input buffers (pinned, async);
   3. replay, then copy the item rows out of the static outputs before any other graph runs.
 All graphs share one memory pool, captured largest first, and one set of input buffers sized for

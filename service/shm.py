@@ -125,7 +125,7 @@ def retire(name: str) -> None:
             while entries and (len(entries) >= POOL_FILES or total + size > POOL_BYTES):
                 oldest = entries.pop(0)
                 total -= _pooled_size(oldest)
-                unlink_path(pool / oldest)
+                _unlink_path(pool / oldest)
             os.rename(path, pool / f"{size}_{time.time_ns()}_{secrets.token_hex(6)}")
             return
     except OSError:  # gone already, no pool (closed, or names not from SegmentNames)
@@ -133,7 +133,7 @@ def retire(name: str) -> None:
     unlink(name)
 
 
-def unlink_path(path: Path) -> None:
+def _unlink_path(path: Path) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:  # taken or evicted by another process meanwhile
@@ -239,7 +239,7 @@ def _empty_pool(name: str) -> bool:
     except OSError:
         return False
     for entry in entries:
-        unlink_path(pool / entry)
+        _unlink_path(pool / entry)
     return bool(entries)
 
 
