@@ -17,11 +17,13 @@ LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_
                 "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_engine",
                 "steady_images_per_s", "in_flight_mean", "start_late_s"}
 ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
-                 "single_encode_ms", "batch_images", "batch_ms", "batch_preprocess_ms", "batch_encode_ms",
-                 "images_per_s", "encode_only_images_per_s", "single_reps", "batch_reps"}
+                 "single_encode_ms", "single_after_idle_ms", "single_after_idle_preprocess_ms", "batch_images",
+                 "batch_ms", "batch_preprocess_ms", "batch_encode_ms", "images_per_s", "encode_only_images_per_s",
+                 "single_reps", "batch_reps"}
 TARGET_FIELDS = {"reference", "saturation", "engine_replicas", "throughput_ratio", "throughput_ratio_target",
                  "throughput_ratio_met", "latency_concurrency", "latency_p50_ms", "latency_overhead_ms",
-                 "latency_overhead_target_ms", "latency_overhead_met", "steady_throughput_ratio"}
+                 "latency_overhead_target_ms", "latency_overhead_met", "steady_throughput_ratio",
+                 "latency_overhead_after_idle_ms"}
 
 
 def test_http_bench_on_cpu(tmp_path):
@@ -85,6 +87,9 @@ def test_http_bench_on_cpu(tmp_path):
     assert targets["latency_p50_ms"] == result["levels"][0]["p50_ms"]
     assert targets["latency_overhead_ms"] == pytest.approx(result["levels"][0]["p50_ms"] - engine["single_ms"],
                                                            abs=1e-3)
+    assert engine["single_after_idle_ms"] > engine["single_after_idle_preprocess_ms"] > 0
+    assert targets["latency_overhead_after_idle_ms"] == pytest.approx(
+        result["levels"][0]["p50_ms"] - engine["single_after_idle_ms"], abs=1e-3)
 
 
 class FakeEncode(QuietHandler):
