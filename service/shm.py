@@ -14,6 +14,7 @@ then keeps the pages instead of freeing them and zeroing fresh ones (see `retire
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import math
@@ -336,3 +337,18 @@ def exit_when_orphaned(parent: int, also: int | None = None) -> None:
     while os.getppid() == parent and (also is None or process_alive(also)):
         time.sleep(1.0)
     os._exit(0)
+
+
+def keep_freed_memory() -> None:
+    """Keep freed blocks below 32 MiB in the process for reuse, and the heap's free top below 64 MiB.
+    glibc's defaults unmap every freed block above 128 KiB, so every megabyte-sized buffer of a request
+    (an image, an embedding, a response body) faulted fresh pages in again: a 448x448 image took 3.6 ms
+    in a worker against 2.4 ms in a warm process (2.5 ms with these settings), and base64 of one 1.8 MB
+    embedding joined into a body took 2.9 ms against 1.9 ms (Linux, 2 cores). Called at the start of
+    every server process: front, workers, engines."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: its own allocator's defaults
+        pass

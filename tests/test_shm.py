@@ -240,3 +240,30 @@ def test_a_full_dev_shm_frees_the_pool_before_refusing_a_write(names, monkeypatc
     with pytest.raises(OSError) as refused:
         shm.write(names.next("out"), b"z" * 100_000)
     assert refused.value.errno == errno.ENOSPC and not any(shm.SHM_DIR.glob(f"{names.prefix}out*"))
+
+
+_FAULTS_SCRIPT = """
+import resource, sys
+from service.shm import keep_freed_memory
+if sys.argv[1] == "keep":
+    keep_freed_memory()
+start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(40):  # as a render: an embedding, its base64 and the joined body alive at once, then freed
+    parts = [bytearray(1 << 20), bytearray(2 << 20), bytearray(2 << 20)]  # zero-filled: every page written
+    del parts
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+"""
+
+
+def test_processes_keep_freed_megabyte_buffers_instead_of_faulting_fresh_pages():
+    """Each server process calls keep_freed_memory at start: a request's megabyte-sized buffers then
+    reuse pages freed by the previous request instead of faulting in new ones (about 0.3 ms of a lone
+    request's render on the H200 host)."""
+    faults = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        faults[mode] = int(out.stdout)
+    # 40 rounds of 1280 pages: about 50000 faults when the freed heap top is handed back each time.
+    assert faults["default"] > 20000, faults
+    assert faults["keep"] < faults["default"] / 10, faults

@@ -30,7 +30,7 @@ from service.engine.executor import BatchExecutor, serve_jobs
 from service.engine.loading import bind_device, build_runner
 from service.engine.types import BatchJob, ModelInfo
 from service.settings import ServeSettings
-from service.shm import exit_when_orphaned
+from service.shm import exit_when_orphaned, keep_freed_memory
 
 log = logging.getLogger("vitserve.engine")
 
@@ -263,6 +263,7 @@ def engine_main(index: int, settings: ServeSettings, conn: Connection, parent: i
     level = logging.DEBUG if settings.log_level == "trace" else getattr(logging, settings.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     threading.Thread(target=exit_when_orphaned, args=(parent,), name="vitserve-parent-watch", daemon=True).start()
+    keep_freed_memory()
     import torch
 
     if threads:

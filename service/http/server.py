@@ -37,7 +37,7 @@ from service.http.protocol import HeadLimits, limited_protocol
 from service.metrics import Metrics
 from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
 from service.settings import ServeSettings, SettingsError
-from service.shm import exit_when_orphaned
+from service.shm import exit_when_orphaned, keep_freed_memory
 
 log = logging.getLogger("vitserve.server")
 
@@ -191,6 +191,7 @@ def serve(settings: ServeSettings, sock: socket.socket | None = None, front: Fro
     # from the preprocessing threads; at the default 5 ms switch interval each such handover can
     # cost up to 5 ms, many times per batch.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    keep_freed_memory()
     log.info("settings: %s", settings.public_dict())
     if sock is not None:
         host, port = sock.getsockname()[:2]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from service.shm import exit_when_orphaned, unlink
+from service.shm import exit_when_orphaned, keep_freed_memory, unlink
 
 log = logging.getLogger("vitserve.workers")
 
@@ -405,24 +405,9 @@ class Aborted(Exception):
     """The caller refused a job's question: the job stops without a result."""
 
 
-def _keep_freed_memory() -> None:
-    """Keep freed blocks below 32 MiB in the process for reuse, and the heap's free top below 64 MiB.
-    glibc's defaults unmap every freed block above 128 KiB, so each job's megabyte-sized images faulted
-    fresh pages in again: a 448x448 image took 3.6 ms in a worker against 2.4 ms in a warm process
-    (2.5 ms with these settings; Linux, 2 cores)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: its own allocator's defaults
-        pass
-
-
 def worker_main(conn: Connection, front_pid: int, warm_up: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _keep_freed_memory()
+    keep_freed_memory()
     import torch
 
     torch.set_num_threads(1)  # a worker is one core's worth of work; the pool spreads them
