@@ -339,3 +339,50 @@ def test_rows_are_read_into_one_thread_buffer_only_for_a_lone_item(monkeypatch) 
     finally:
         for r in results:
             shm.unlink(r["output"].segment)
+
+
+def test_an_image_s_header_is_read_once_for_its_estimate_and_its_decode(monkeypatch) -> None:
+    """prepare_media reads the header once and hands it to the estimate and the decode; the pixels it
+    writes are those of the one-call path."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from models.config import ProcessorConfig
+    from service import shm
+    from service.media import estimate, image_preprocess, images
+    from service.media.limits import MediaLimits
+    from service.workers import jobs
+
+    buf = io.BytesIO()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (90, 130, 3), dtype=np.uint8)).save(buf, "JPEG")
+    data = buf.getvalue()
+    cfg, limits = ProcessorConfig(), MediaLimits()
+    expected = image_preprocess.preprocess_image_bytes(data, cfg, limits=limits)
+    calls = []
+    real = images.read_header
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1:])
+        return real(*args, **kwargs)
+
+    for module in (images, estimate, image_preprocess):
+        monkeypatch.setattr(module, "read_header", counted)
+    asked = []
+
+    class Ctx:
+        def ask(self, question: Any) -> None:
+            asked.append(question)
+
+    name = shm.SegmentNames().next("px")
+    try:
+        prepared = jobs.prepare_media(Ctx(), data, len(data), "image", cfg, {}, limits, name)
+        pixels = np.empty(expected.pixels.size, np.uint8)
+        shm.read_into(name, pixels)
+    finally:
+        shm.unlink(name)
+    assert calls == [(limits.max_image_pixels,)]
+    assert [a.grid_thw for a in asked] == [tuple(expected.grid_thw)] == [prepared.grid_thw]
+    assert np.array_equal(pixels, expected.pixels.reshape(-1))

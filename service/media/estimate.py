@@ -34,7 +34,7 @@ from typing import Any
 
 from models.config import ProcessorConfig
 from service.media.image_preprocess import check_tokens, image_grid
-from service.media.images import read_header
+from service.media.images import ImageHeader, read_header
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
 from service.media.video import VideoReader
 from service.media.video_preprocess import VideoOptions, plan_video
@@ -67,11 +67,13 @@ def estimate_image(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     limits: MediaLimits | None = None,
+    header: ImageHeader | None = None,
 ) -> Estimate:
     """Grid and tokens of an image from its header; MediaError where `preprocess_image_bytes` would refuse it
-    before decoding (format, header size, JPEG data shorter than its header, pixel bounds, tokens)."""
+    before decoding (format, header size, JPEG data shorter than its header, pixel bounds, tokens).
+    `header`: what `read_header` returned for these bytes and `limits`, to skip reading it again."""
     limits = limits or DEFAULT_LIMITS
-    header = read_header(data, limits.max_image_pixels)
+    header = header or read_header(data, limits.max_image_pixels)
     width, height = header.width, header.height
     resized, grid = image_grid(height, width, cfg, min_pixels, max_pixels)
     tokens = check_tokens(grid, cfg, limits.max_tokens)

@@ -22,7 +22,7 @@ from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import ASPECT_RATIO, INVALID_PIXEL_BOUNDS, TOO_MANY_ITEM_TOKENS, TOO_SMALL, MediaError
-from service.media.images import decode_image, has_alpha, read_header, to_rgb
+from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
 
 MAX_ASPECT_RATIO = 200
@@ -173,15 +173,17 @@ def preprocess_image_bytes(
     *,
     limits: MediaLimits | None = None,
     max_image_pixels: int | None = None,
+    header: ImageHeader | None = None,
 ) -> VisualInput:
     """Decode encoded image bytes and preprocess them; every bad or over-limit input raises MediaError.
 
     limits: per-item bounds (defaults if None); max_image_pixels, if given, overrides its image size limit.
-    The header's size and the grid's tokens are checked before any pixel is decoded.
+    The header's size and the grid's tokens are checked before any pixel is decoded. `header`: what
+    `read_header` returned for these bytes and that size limit (the estimate's), to skip reading it again.
     """
     limits = limits or DEFAULT_LIMITS
     size_limit = limits.max_image_pixels if max_image_pixels is None else max_image_pixels
-    header = read_header(data, size_limit)
+    header = header or read_header(data, size_limit)
     _, grid = image_grid(header.height, header.width, cfg, min_pixels, max_pixels)
     check_tokens(grid, cfg, limits.max_tokens)
     image = decode_image(data, size_limit, header=header)

@@ -52,12 +52,14 @@ def prepare_media(ctx: Any, source: bytes | str, length: int, modality: str, cfg
     preprocess within `limits`; the patches go to segment `pixels`. `source`: the media's bytes, or the
     segment holding them (large media)."""
     from service.media.estimate import estimate_image, estimate_video
+    from service.media.images import read_header
 
     t0 = time.perf_counter()
     data = source if isinstance(source, bytes) else _read(source, length)
     if modality == "image":
+        header = read_header(data, limits.max_image_pixels)  # once, for the estimate and the decode
         cost = estimate_image(data, cfg, min_pixels=options.get("min_pixels"), max_pixels=options.get("max_pixels"),
-                              limits=limits)
+                              limits=limits, header=header)
     else:
         cost = estimate_video(data, cfg, limits=limits, **options)
     ctx.ask(cost)  # admission: raises Aborted (no result) when the server refuses the item
@@ -65,7 +67,7 @@ def prepare_media(ctx: Any, source: bytes | str, length: int, modality: str, cfg
         from service.media.image_preprocess import preprocess_image_bytes
 
         visual: VisualInput = preprocess_image_bytes(data, cfg, options.get("min_pixels"), options.get("max_pixels"),
-                                                     limits=limits)
+                                                     limits=limits, header=header)
     else:
         from service.media.video_preprocess import preprocess_video_bytes
 
