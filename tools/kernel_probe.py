@@ -3,6 +3,7 @@ attention at head dims 72/80 can go with the kernels this machine has, and wheth
 QuickGELU in its epilogue beats cuBLAS followed by the activation kernel.
 
     python3 tools/kernel_probe.py eager-kernels [MODEL] [WORKLOAD]   # kernel table of one eager forward
+    python3 tools/kernel_probe.py eager-gaps [MODEL] [WORKLOAD]      # where its device sits idle
     python3 tools/kernel_probe.py cudnn-plans      # every cuDNN SDPA plan for the towers' ragged problems
     python3 tools/kernel_probe.py attention        # a Triton flash-attention kernel against cuDNN, varlen_attn
     python3 tools/kernel_probe.py gemm-act         # QuickGELU in a Triton product's epilogue against cuBLAS
@@ -74,6 +75,41 @@ def eager_kernels(model: str, workload: str) -> None:
     emit({"what": "eager-kernels", "model": model, "workload": workload, "eager_ms": round(ms, 2),
           "kernel_ms": round(sum(r[1] for r in rows), 2),
           "top": [{"name": k[:100], "ms": round(t, 3), "calls": c} for k, t, c in rows[:15]]})
+
+
+def eager_gaps(model: str, workload: str) -> None:
+    """The device's idle time during one `encode` (wall, from CUDA events around the call, against the
+    span and sum of its kernels and copies) and the largest gaps between them, with their neighbours."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    from graphs.runner import GraphRunner, plan_for
+    from models import VisualInput, load_tower
+    from service.bench.towers import cuda_time, workloads
+
+    tower = load_tower(model, device="cuda", dtype="bfloat16")
+    runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower), use_graphs=False)
+    rng = np.random.default_rng(0)
+    items = [VisualInput("video" if t > 1 else "image",
+                         torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
+                                                       dtype=np.uint8)).cuda(), (t, h, w))
+             for t, h, w in workloads(tower.processor.patch_size)[workload]]
+    with torch.inference_mode():
+        wall = cuda_time(lambda: runner.encode(items))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            runner.encode(items)
+            torch.cuda.synchronize()
+    device = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in device) / 1e3
+    gaps = [(b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(device, device[1:])]
+    emit({"what": "eager-gaps", "model": model, "workload": workload, "wall_ms": round(wall, 3),
+          "span_ms": round((device[-1].time_range.end - device[0].time_range.start) / 1e3, 3),
+          "busy_ms": round(busy, 3), "device_events": len(device),
+          "gaps_over_5us_ms": round(sum(g for g, _, _ in gaps if g > 5) / 1e3, 3),
+          "gaps_under_5us_ms": round(sum(g for g, _, _ in gaps if 0 < g <= 5) / 1e3, 3),
+          "largest": [{"us": round(g, 1), "after": a[:70], "before": b[:70]}
+                      for g, a, b in sorted(gaps, key=lambda x: -x[0])[:12]]})
 
 
 # ---- attention ---------------------------------------------------------------------------------------------
@@ -352,9 +388,10 @@ def _kernels() -> dict[str, Any]:
 
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else ""
-    if what == "eager-kernels":
-        eager_kernels(sys.argv[2] if len(sys.argv) > 2 else "random:qwen2-vl-7b",
-                      sys.argv[3] if len(sys.argv) > 3 else "8x1344x756")
+    if what in ("eager-kernels", "eager-gaps"):
+        model = sys.argv[2] if len(sys.argv) > 2 else "random:qwen2-vl-7b"
+        workload = sys.argv[3] if len(sys.argv) > 3 else "8x1344x756"
+        (eager_kernels if what == "eager-kernels" else eager_gaps)(model, workload)
     elif what in ("cudnn-plans", "attention", "gemm-act"):
         {"cudnn-plans": cudnn_plans, "attention": attention, "gemm-act": gemm_act}[what]()
     else:
