@@ -152,12 +152,11 @@ def kernel_table(torch, fn, top: int = 12) -> dict:
 
 
 def qwen3(path: str | None) -> None:
-    import numpy as np
     import torch
 
     from graphs.runner import GraphRunner, plan_for
-    from models import VisualInput, load_tower
-    from service.bench.towers import cuda_time, workloads
+    from models import load_tower
+    from service.bench.towers import cuda_time, random_items, workloads
 
     tower = load_tower("random:qwen3-vl-8b", device="cuda", dtype="bfloat16")
     dev = torch.device("cuda", 0)
@@ -167,10 +166,7 @@ def qwen3(path: str | None) -> None:
     eager = GraphRunner(tower, dev, plan, use_graphs=False)
     for name in ("128x224", "32x224", "1x448", "video16f448"):
         grids = workloads(tower.processor.patch_size)[name]
-        rng = np.random.default_rng(0)
-        items = [VisualInput("video" if t > 1 else "image",
-                             torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
-                                                           dtype=np.uint8)).cuda(), (t, h, w)) for t, h, w in grids]
+        items = random_items(tower, grids)
         batches = graphs.pack_items(items)
         eager_batches = eager.pack_items(items)
         record = {"what": "qwen3", "workload": name,

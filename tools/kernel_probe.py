@@ -50,21 +50,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---- eager forward, by kernel ---------------------------------------------------------------------------
-def eager_kernels(model: str, workload: str) -> None:
-    import numpy as np
-    from torch.profiler import ProfilerActivity, profile
-
+def eager_workload(model: str, workload: str) -> tuple[Any, list]:
+    """An eager GraphRunner of the random-weight preset and the workload's seeded inputs."""
     from graphs.runner import GraphRunner, plan_for
-    from models import VisualInput, load_tower
-    from service.bench.towers import cuda_time, workloads
+    from models import load_tower
+    from service.bench.towers import random_items, workloads
 
     tower = load_tower(model, device="cuda", dtype="bfloat16")
     runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower), use_graphs=False)
-    rng = np.random.default_rng(0)
-    items = [VisualInput("video" if t > 1 else "image",
-                         torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
-                                                       dtype=np.uint8)).cuda(), (t, h, w))
-             for t, h, w in workloads(tower.processor.patch_size)[workload]]
+    return runner, random_items(tower, workloads(tower.processor.patch_size)[workload])
+
+
+def eager_kernels(model: str, workload: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from service.bench.towers import cuda_time
+
+    runner, items = eager_workload(model, workload)
     with torch.inference_mode():
         ms = cuda_time(lambda: runner.encode(items))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -80,20 +82,11 @@ def eager_kernels(model: str, workload: str) -> None:
 def eager_gaps(model: str, workload: str) -> None:
     """The device's idle time during one `encode` (wall, from CUDA events around the call, against the
     span and sum of its kernels and copies) and the largest gaps between them, with their neighbours."""
-    import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
-    from graphs.runner import GraphRunner, plan_for
-    from models import VisualInput, load_tower
-    from service.bench.towers import cuda_time, workloads
+    from service.bench.towers import cuda_time
 
-    tower = load_tower(model, device="cuda", dtype="bfloat16")
-    runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower), use_graphs=False)
-    rng = np.random.default_rng(0)
-    items = [VisualInput("video" if t > 1 else "image",
-                         torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
-                                                       dtype=np.uint8)).cuda(), (t, h, w))
-             for t, h, w in workloads(tower.processor.patch_size)[workload]]
+    runner, items = eager_workload(model, workload)
     with torch.inference_mode():
         wall = cuda_time(lambda: runner.encode(items))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

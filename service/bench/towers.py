@@ -45,6 +45,15 @@ def workloads(patch: int, seed: int = 0) -> dict[str, list[tuple[int, int, int]]
     }
 
 
+def random_items(tower: torch.nn.Module, grids: list[tuple[int, int, int]], seed: int = 0) -> list[VisualInput]:
+    """Seeded uint8 patch rows on the GPU for each grid (t, h, w): a workload's inputs, the same in every run."""
+    rng = np.random.default_rng(seed)
+    return [VisualInput("video" if t > 1 else "image",
+                        torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
+                                                      dtype=np.uint8)).cuda(), (t, h, w))
+            for t, h, w in grids]
+
+
 def cuda_time(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
     """Median milliseconds of `fn` between CUDA events."""
     for _ in range(warmup):
@@ -214,11 +223,7 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
     for wname, grids in workloads(tower.processor.patch_size).items():
         if only and wname not in only:
             continue
-        rng = np.random.default_rng(0)
-        items = [VisualInput("video" if t > 1 else "image",
-                             torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
-                                                           dtype=np.uint8)).cuda(), (t, h, w))
-                 for t, h, w in grids]
+        items = random_items(tower, grids)
         host = torch.cat([it.pixels for it in items]).cpu().numpy()
         x = torch.from_numpy(tower.processor.normalize(host)).to("cuda", torch.bfloat16)
         g = torch.tensor(grids, device="cuda")
@@ -272,11 +277,7 @@ def profile(name: str, workload: str, out_path: Path, max_batch_tokens: int = 16
     tower = load_tower(name, device="cuda", dtype="bfloat16")
     plan = plan_for(tower, max_batch_tokens=max_batch_tokens)
     runner = GraphRunner(tower, torch.device("cuda"), plan, use_graphs=False)
-    rng = np.random.default_rng(0)
-    items = [VisualInput("video" if t > 1 else "image",
-                         torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
-                                                       dtype=np.uint8)).cuda(), (t, h, w))
-             for t, h, w in workloads(tower.processor.patch_size)[workload]]
+    items = random_items(tower, workloads(tower.processor.patch_size)[workload])
     with torch.inference_mode():
         ms_eager = cuda_time(lambda: runner.encode(items))
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
