@@ -12,7 +12,9 @@ import glob
 import os
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import numpy as np
@@ -79,10 +81,30 @@ def reference() -> GraphRunner:
     return runner
 
 
-def expected(runner: GraphRunner, k: int) -> list[np.ndarray]:
-    """What one engine returns for request `k` alone: its items packed and run together."""
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def engine_threads(url: str) -> int:
+    """The CPU threads the served engines run with: a CPU reduction's result depends on how many threads
+    split it, so the reference must use as many to be equal bit for bit."""
+    counts = {e["threads"] for e in httpx.get(url + "/info", timeout=10).json()["engines"]}
+    assert len(counts) == 1 and None not in counts, counts
+    return counts.pop()
+
+
+def expected(runner: GraphRunner, k: int, threads: int) -> list[np.ndarray]:
+    """What one engine running `threads` threads returns for request `k` alone: its items packed and run
+    together."""
     visuals = [preprocess_image_bytes(base64.b64decode(it["image"]), runner.tower.processor) for it in body(k)["items"]]
-    return [out.embeds.numpy() for out in runner.encode(visuals)]
+    with torch_threads(threads):
+        return [out.embeds.numpy() for out in runner.encode(visuals)]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +142,7 @@ def test_concurrent_requests_spread_over_both_engines(served, reference):
         responses = list(pool.map(lambda k: httpx.post(served.url + "/encode", json=body(k), timeout=60), range(8)))
     assert [r.status_code for r in responses] == [200] * 8
     for k, r in enumerate(responses):  # batched differently from the reference: equal to rounding
-        for got, want in zip(embeddings(r), expected(reference, k)):
+        for got, want in zip(embeddings(r), expected(reference, k, engine_threads(served.url))):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     batches = metric(served.url, "vitserve_engine_batches_total")
     items = metric(served.url, "vitserve_engine_items_total")
@@ -134,11 +156,12 @@ def test_concurrent_requests_spread_over_both_engines(served, reference):
 
 def test_every_item_equals_the_single_engine_answer(served, reference):
     # One request at a time packs exactly as the reference does: the same batches, bit for bit.
+    threads = engine_threads(served.url)
     with httpx.Client(base_url=served.url, timeout=60) as client:
         for k in range(4):
             r = client.post("/encode", json=body(k))
             assert r.status_code == 200
-            for got, want in zip(embeddings(r), expected(reference, k)):
+            for got, want in zip(embeddings(r), expected(reference, k, threads)):
                 np.testing.assert_array_equal(got, want)
         info = client.get("/info").json()
     assert info["data_parallel"] == 2 and [e["state"] for e in info["engines"]] == ["ready", "ready"]
@@ -148,6 +171,7 @@ def test_every_item_equals_the_single_engine_answer(served, reference):
 
 def test_killed_engine_fails_its_requests_and_the_others_keep_serving(served, reference):
     url = served.url
+    threads = engine_threads(url)
     victim = httpx.get(url + "/info").json()["engines"][1]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(httpx.post, url + "/encode", json=body(k), timeout=60) for k in range(6)]
@@ -171,7 +195,7 @@ def test_killed_engine_fails_its_requests_and_the_others_keep_serving(served, re
     for k in range(3):  # later requests go to the engine left
         r = httpx.post(url + "/encode", json=body(k), timeout=60)
         assert r.status_code == 200
-        for got, want in zip(embeddings(r), expected(reference, k)):
+        for got, want in zip(embeddings(r), expected(reference, k, threads)):
             np.testing.assert_array_equal(got, want)
     assert segments(served.proc.pid, pools=False) == []  # the dead engine's segments were unlinked
 
@@ -222,10 +246,11 @@ def test_the_cache_and_the_shared_folder_behind_engine_processes(tmp_path, refer
     with SubprocessServer("--data-parallel", "2", "--max-batch-tokens", str(BUDGET), "--max-batch-items", "2",
                           "--cache-bytes", str(1 << 26), "--ec-shared-storage", str(store)) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
+        threads = engine_threads(srv.url)
         miss = c.post("/encode", json={**body(0), "encoding_format": "vllm_ref"})
         hit = c.post("/encode", json=body(0))
     assert miss.headers["x-vitserve-cache-hits"] == "0" and hit.headers["x-vitserve-cache-hits"] == "2"
-    for got, want, entry in zip(embeddings(hit), expected(reference, 0), miss.json()["data"]):
+    for got, want, entry in zip(embeddings(hit), expected(reference, 0, threads), miss.json()["data"]):
         np.testing.assert_array_equal(got, want)
         path = store / entry["content_part"]["uuid"] / "encoder_cache.safetensors"
         np.testing.assert_array_equal(load_file(str(path))["ec_cache"].numpy(), want)

@@ -47,6 +47,7 @@ class Backend(Protocol):
     pid: int | None
     exitcode: int | None
     error: str | None
+    threads: int  # CPU threads the engine was given (0: torch's own choice)
 
     def load(self) -> ModelInfo:
         """Load the weights and capture the graphs (blocking, on a loading thread); raise if it cannot."""
@@ -68,6 +69,7 @@ class LocalBackend:
 
     def __init__(self, index: int, settings: ServeSettings, runner: Any = None) -> None:
         self.index, self.settings, self.runner = index, settings, runner
+        self.threads = 0  # this process's own
         self.device = settings.device
         self.state = "starting"
         self.model: ModelInfo | None = None

@@ -292,7 +292,8 @@ class Batcher:
         for e in self.engines:
             stats = e.stats or {}
             rows.append({"gpu": e.index, "device": e.device, "pid": e.pid, "state": e.state, "exitcode": e.exitcode,
-                         "error": e.error, "outstanding_tokens": self._outstanding.get(e.index, 0),
+                         "error": e.error, "threads": e.threads or None,
+                         "outstanding_tokens": self._outstanding.get(e.index, 0),
                          "outstanding_batches": sum(f.engine is e for f in self._inflight.values()),
                          "batches": self.batches.get(e.index, 0), "items": self.items.get(e.index, 0),
                          "graph_hits": stats.get("graph_items", 0),
