@@ -10,6 +10,8 @@ import time
 import pytest
 
 from service.bench import http as http_bench
+from service.bench.http_client import BenchError, run_level, steady_rate
+from service.bench.http_server import LOOP_STALL_KEY, check_loopback, stage_means
 from service.cli import main
 from tests.http_helpers import QuietHandler, free_port, loopback_http_server, server_url
 
@@ -112,16 +114,16 @@ def fake_url():
 
 @pytest.mark.parametrize("client", ["http.client", "httpx"])
 def test_run_level_bounds_and_errors(fake_url, client):
-    level = http_bench.run_level(fake_url, [b"good", b"bad", b"good"], 3, 30, 60, client=client)
+    level = run_level(fake_url, [b"good", b"bad", b"good"], 3, 30, 60, client=client)
     assert (level["requests"], level["ok"], level["errors"], level["stopped_by"]) == (30, 20, {"500": 10}, "requests")
     assert level["steady_images_per_s"] is None  # stopped by its count: no time window to count in
-    level = http_bench.run_level(fake_url, [b"slow"], 2, 10_000, 0.3, client=client)
+    level = run_level(fake_url, [b"slow"], 2, 10_000, 0.3, client=client)
     # 2 clients, 20 ms per answer, 0.3 s: at most 30 requests (fewer on a loaded machine), then it stops.
     assert level["stopped_by"] == "time" and level["errors"] == {} and 0 < level["ok"] <= 30
     assert 0 < level["steady_images_per_s"] <= 2 / 0.02
     assert 0 < level["in_flight_mean"] <= 2 and 0 <= level["start_late_s"] < 1
     assert level["elapsed_s"] < 2 and level["p50_ms"] >= 20
-    gone = http_bench.run_level(f"http://127.0.0.1:{free_port()}", [b"x"], 1, 2, 5, client=client)
+    gone = run_level(f"http://127.0.0.1:{free_port()}", [b"x"], 1, 2, 5, client=client)
     assert gone["ok"] == 0 and sum(gone["errors"].values()) == 2  # connection failures are counted, not raised
 
 
@@ -136,7 +138,7 @@ def test_refuses_non_loopback_urls(url, tmp_path, capsys):
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.9.9.9", "http://[::1]:8000",
                                  "http://localhost:8000"])
 def test_loopback_urls_pass(url):
-    host, port = http_bench.check_loopback(url)
+    host, port = check_loopback(url)
     assert host and port > 0
 
 
@@ -151,20 +153,20 @@ def test_plain_bench_stays_gpu_only(capsys):
 
 def test_url_mode_needs_a_vitserve_info(fake_url, tmp_path):
     # A loopback server that is not vitserve (no GET /info): refused before any load or model loading.
-    with pytest.raises(http_bench.BenchError, match="/info answered 501"):
+    with pytest.raises(BenchError, match="/info answered 501"):
         http_bench.run(url=fake_url, concurrency=[1], out=tmp_path, log=lambda s: None)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_steady_rate_counts_only_answers_inside_its_window():
     ends = [0.5, 1.0, 1.5, 2.0, 2.5, 3.9, 4.0, 4.2]
-    assert http_bench.steady_rate(ends, 1.0, 4.0) == pytest.approx(5 / 3, abs=1e-3)  # 1.0 .. 3.9: start in, stop out
-    assert http_bench.steady_rate(ends, 4.0, 4.0) is None
+    assert steady_rate(ends, 1.0, 4.0) == pytest.approx(5 / 3, abs=1e-3)  # 1.0 .. 3.9: start in, stop out
+    assert steady_rate(ends, 4.0, 4.0) is None
 
 
 def test_a_level_spread_over_client_processes_counts_every_request():
     with loopback_http_server(FakeEncode) as httpd:
-        level = http_bench.run_level(server_url(httpd), [b"{}"], concurrency=4, max_requests=20, time_limit_s=30,
+        level = run_level(server_url(httpd), [b"{}"], concurrency=4, max_requests=20, time_limit_s=30,
                                      processes=2)
     assert level["requests"] == level["ok"] == 20 and level["errors"] == {} and level["stopped_by"] == "requests"
 
@@ -181,7 +183,7 @@ def test_client_processes_start_together_however_slowly_they_spawn(monkeypatch):
 
     monkeypatch.setattr(spawn, "start", slow_start)
     with loopback_http_server(FakeEncode) as httpd:
-        level = http_bench.run_level(server_url(httpd), [b"slow"], concurrency=4, max_requests=10**6,
+        level = run_level(server_url(httpd), [b"slow"], concurrency=4, max_requests=10**6,
                                      time_limit_s=1.0, processes=2)
     assert level["errors"] == {} and level["start_late_s"] < 0.5
     assert level["in_flight_mean"] >= 3  # 4 clients, each with a request out nearly all the time
@@ -200,8 +202,6 @@ def test_the_summary_says_when_the_saturation_level_stopped_by_its_count(capsys)
 
 def test_the_share_of_loop_lag_samples_over_25_ms_comes_from_the_histograms_buckets():
     """Two fronts' samples are summed: 30 new samples of which 24 were at most 25 ms late."""
-    from service.bench.http import LOOP_STALL_KEY, stage_means
-
     before = {"loop_lag": (0.5, 100.0), LOOP_STALL_KEY: (90.0, 100.0)}
     after = {"loop_lag": (1.5, 130.0), LOOP_STALL_KEY: (114.0, 130.0)}
     means = stage_means(before, after, wall_s=3.0)

@@ -268,7 +268,7 @@ def test_every_code_has_a_status() -> None:
 
 def test_declared_frame_size_refused_before_ffmpeg_opens(monkeypatch: pytest.MonkeyPatch) -> None:
     from service.media.headers import declared_frame_sizes
-    from service.media.video import sniff_container
+    from service.media.sniff import sniff_container
 
     clips = [make_video(3, width=64, height=48, codec="libx264"),
              make_video(3, width=64, height=48, codec="libx264", container="mov"),
@@ -321,14 +321,15 @@ def test_damaged_headers_are_media_errors_only(fuzz_seeds: list[tuple[str, bytes
 def test_header_matrix_equals_the_frames(container: str) -> None:
     """The matrix read from the header is, int for int, the one FFmpeg attaches to decoded frames."""
     from service.media.headers import container_display_matrix
-    from service.media.video import _display_matrix, sniff_container
+    from service.media.sniff import sniff_container
+    from service.media.video_frames import display_matrix
 
     for rotation, hflip in [(90, False), (-90, False), (180, False), (0, True), (90, True), (45, False), (None, False)]:
         data = make_video(2, codec="libx264", container=container, rotation=rotation, hflip=hflip)
         with av.open(io.BytesIO(data)) as c:
             stream = c.streams.video[0]
             frame = next(c.decode(stream))
-            expected = _display_matrix(frame)
+            expected = display_matrix(frame)
             track_id = stream.id
         got = container_display_matrix(data, sniff_container(data), track_id=track_id, video_index=0)
         assert got == expected, (container, rotation, hflip)

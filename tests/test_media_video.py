@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.media.errors import MediaError
-from service.media.video import VideoReader, decode_video, probe_video, sniff_container
+from service.media.sniff import sniff_container
+from service.media.video import VideoReader, decode_video, probe_video
 from tests.videos import decode_all, make_audio_only, make_video, read_index
 
 av.logging.set_level(av.logging.ERROR)
@@ -301,10 +302,10 @@ def test_display_matrix_read_from_either_side_data_shape(style: str) -> None:
     """PyAV <= 18 iterates side data; PyAV 19 iterates their types (a mapping). Both are read."""
     from types import SimpleNamespace
 
-    from service.media.video import _orientation
+    from service.media.video_frames import frame_orientation
 
     rotated = _Side([0, 65536, 0, -65536, 0, 0, 0, 0, 1 << 30])  # 90 degrees: a transposed matrix
     side_data = {"DISPLAYMATRIX": rotated} if style == "mapping" else [rotated]
     frame = SimpleNamespace(side_data=side_data)
     stream = SimpleNamespace(metadata={})
-    assert _orientation(frame, stream) == (True, False, True)  # type: ignore[arg-type]
+    assert frame_orientation(frame, stream) == (True, False, True)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Qwen-VL frame sampling and video preprocessing (service/media/video_preprocess.py).
+"""Qwen-VL frame sampling and video preprocessing (service/media/video_sampling.py, video_preprocess.py).
 
 The reference rules are transcribed here independently, as plainly as the sources read
 (qwen-vl-utils 0.0.14 `vision_process.py` for Qwen2-VL/Qwen2.5-VL, transformers'
@@ -23,12 +23,11 @@ from PIL import Image
 from models.config import ProcessorConfig
 from service.media.errors import MediaError
 from service.media.image_preprocess import smart_resize
-from service.media.video_preprocess import (
+from service.media.video_preprocess import patchify_video, preprocess_video_bytes
+from service.media.video_sampling import (
     VideoOptions,
     frame_range,
-    patchify_video,
     plan_sampling,
-    preprocess_video_bytes,
     qwen2_frame_pixel_bounds,
     qwen2_nframes,
     qwen3_max_pixels,

@@ -45,7 +45,8 @@ import transformers
 from models.config import ProcessorConfig
 from models.presets import QWEN3_PRE, QWEN3_VIDEO_PRE
 from service.media.video import VideoReader
-from service.media.video_preprocess import VideoOptions, plan_sampling, preprocess_video_bytes
+from service.media.video_preprocess import preprocess_video_bytes
+from service.media.video_sampling import VideoOptions, plan_sampling
 
 WIDTH, HEIGHT, FPS, SECONDS = 1280, 720, 30, 30
 CONFIGS = {

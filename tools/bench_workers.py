@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.config import ProcessorConfig  # noqa: E402
 from models.presets import PRESETS  # noqa: E402
 from service import shm  # noqa: E402
-from service.bench.http import bench_images  # noqa: E402
+from service.bench.http_client import bench_images  # noqa: E402
 from service.media.image_preprocess import preprocess_image_bytes  # noqa: E402
 from service.media.limits import MediaLimits  # noqa: E402
 from service.workers.pool import Owner, WorkerPool  # noqa: E402

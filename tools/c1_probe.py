@@ -24,20 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.bench.http import (  # noqa: E402 - after the path above
-    ServerProcess,
-    bench_images,
-    check_response,
-    request_body,
-    run_level,
-    server_stage_totals,
-    stage_means,
-)
+from service.bench.http_client import bench_images, check_response, request_body, run_level  # noqa: E402
+from service.bench.http_server import ServerProcess, server_stage_totals, stage_means  # noqa: E402
 
 CPU_WORK = """
 import statistics, sys, time
 sys.path.insert(0, sys.argv[1])
-from service.bench.http import bench_images
+from service.bench.http_client import bench_images
 from service.media.image_preprocess import ProcessorConfig, preprocess_image_bytes
 images, cfg = bench_images(), ProcessorConfig()
 for i in range(20):

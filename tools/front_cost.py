@@ -69,7 +69,7 @@ def main_thread_cpu_seconds(pid: int) -> float:
 
 
 def cpu_seconds(url: str) -> float:
-    from service.bench.http import server_metrics
+    from service.bench.http_server import server_metrics
 
     return sum(s.value for s in server_metrics(url) if s.name == "process_cpu_seconds_total")
 
@@ -93,14 +93,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="JSON lines, one per level")
     args = parser.parse_args()
 
-    from service.bench.http import (
-        ServerProcess,
-        bench_images,
-        request_body,
-        run_level,
-        server_stage_totals,
-        stage_means,
-    )
+    from service.bench.http_client import bench_images, request_body, run_level
+    from service.bench.http_server import ServerProcess, server_stage_totals, stage_means
 
     flags = ["--device", "cpu", "--dtype", "bfloat16", "--cache-bytes", "0", *shlex.split(args.serve_flags)]
     bodies = [request_body(img) for img in bench_images(4)]

@@ -37,7 +37,8 @@ from service.media.image_preprocess import check_tokens, image_grid
 from service.media.images import ImageHeader, read_header
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
 from service.media.video import VideoReader
-from service.media.video_preprocess import VideoOptions, plan_video
+from service.media.video_preprocess import plan_video
+from service.media.video_sampling import VideoOptions
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ of every stream, so a header announcing 8192x8192 frames is refused from these b
 allocates anything (opening such a 200 KB file took 255 ms and 154 MB).
 
 An orientation is `(transpose, flip_rows, flip_cols)`: what turns a stored frame into the upright one. The
-decoder reads FFmpeg's display matrix from the first decoded frame (`service.media.video`); the estimate must
+decoder reads FFmpeg's display matrix from the first decoded frame (`service.media.video_frames`); the estimate must
 know it before decoding anything, so `container_display_matrix` reads the same matrix from the header bytes the
 way FFmpeg's demuxers derive it:
 

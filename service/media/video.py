@@ -6,12 +6,10 @@ other files or URLs (HLS, concat, ...) are never reached.
 
 How frames are found:
 
-* One cheap demux pass (no decoding) indexes the packets of the video stream: presentation
-  timestamps (pts * time_base), keyframes, decode order. That gives the exact frame count and each
-  frame's time, even for variable frame rate and for containers without a frame count (WebM/MKV).
-  The pass is bounded: a header declaring more than `limits.max_stream_frames` frames is refused
-  before it starts, and it stops with `too_many_frames` once the stream holds more packets.
-  `VideoReader(..., index_only=True)` keeps only these facts (what the estimate reads).
+* One cheap demux pass (no decoding, `service.media.video_index`) indexes the packets of the video
+  stream: exact frame count, each frame's time, keyframes, decode order, bounded by
+  `limits.max_stream_frames`. `VideoReader(..., index_only=True)` keeps only these facts (what the
+  estimate reads).
 * A sampler asks for times (or indices, which map to times on the stream's own timeline). The frame
   shown at a time is the last frame whose timestamp is <= that time (a one-tick tolerance absorbs
   time-base rounding), so a constant-rate stream gives exactly frame `round(t * fps)` and a
@@ -27,8 +25,7 @@ How frames are found:
   `limits.max_decoded_frames` or `limits.max_decoded_pixels`, and with `too_many_pixels` as soon as
   a frame (wanted or not) is larger than `limits.max_frame_pixels`, whatever the header said.
 * Rotation from the display matrix (or the legacy `rotate` tag) is applied, so frames come out
-  upright; flips in the matrix are honoured too. The matrix is read once per reader, from the first
-  frame converted, into nine plain ints (see `_display_matrix`).
+  upright (`service.media.video_frames`); the matrix is read once per reader, from the first frame.
 
 Resources: FFmpeg decoder threads are `threads` per reader (default 1: parallelism comes from decoding
 several items at once), and RGB conversion uses one swscale context per reader with the same thread
@@ -43,7 +40,6 @@ import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any
 
 import av
 import av.error
@@ -55,7 +51,6 @@ from service.media.errors import (
     EMPTY,
     NO_VIDEO_STREAM,
     TOO_FEW_FRAMES,
-    TOO_MANY_FRAMES,
     TOO_MANY_PIXELS,
     TOO_MUCH_WORK,
     TRUNCATED_VIDEO,
@@ -64,20 +59,16 @@ from service.media.errors import (
     MediaError,
 )
 from service.media.headers import (
-    UPRIGHT,
     Orientation,
     container_display_matrix,
     declared_frame_sizes,
     orientation_from_matrix,
     orientation_from_rotate_tag,
-    upright_size,
 )
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, DEFAULT_MAX_FRAME_PIXELS, MediaLimits
-
-try:  # PyAV 18: a side-data container built here is not cached on the frame (no frame <-> container cycle)
-    from av.sidedata.sidedata import SideDataContainer as _SideDataContainer
-except ImportError:  # pragma: no cover - depends on the installed PyAV
-    _SideDataContainer = None
+from service.media.sniff import sniff_container
+from service.media.video_frames import frame_orientation, rotate_tag, turn_upright
+from service.media.video_index import VideoInfo, check_declared_length, ffmpeg_reason, frame_rate, index_packets
 
 __all__ = [
     "CORRUPT_VIDEO",
@@ -93,50 +84,16 @@ __all__ = [
     "VideoReader",
     "decode_video",
     "probe_video",
-    "sniff_container",
 ]
 
 # Sniffed container -> FFmpeg demuxer short name.
 SUPPORTED_CONTAINERS: dict[str, str] = {"mp4": "mov", "matroska": "matroska", "avi": "avi"}
-_ISO_BMFF_BOXES = (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot")
 
 # Cap of the look-ahead when matching a time to a frame, as a fraction of a nominal frame interval.
 _TIME_TOLERANCE = 0.25
 _MAX_THREADS = 64
 
 FrameSink = Callable[[int, np.ndarray], None]
-
-
-def sniff_container(data: bytes | bytearray | memoryview) -> str | None:
-    """'mp4' (MP4/MOV/3GP), 'matroska' (MKV/WebM) or 'avi' from the magic bytes, else None."""
-    head = bytes(data[:16])
-    if head.startswith(b"\x1a\x45\xdf\xa3"):
-        return "matroska"
-    if head[:4] == b"RIFF" and head[8:12] in (b"AVI ", b"AVIX"):
-        return "avi"
-    if head[4:8] in _ISO_BMFF_BOXES:
-        return "mp4"
-    return None
-
-
-@dataclass(frozen=True)
-class VideoInfo:
-    """What the header and the packet index say about the video stream (nothing decoded)."""
-
-    container: str  # sniffed: "mp4", "matroska" or "avi"
-    codec: str  # FFmpeg decoder name
-    width: int  # coded size; frames come out rotated when the display matrix says so
-    height: int
-    fps: float  # header average rate if the timestamps follow it, else frames / duration
-    num_frames: int  # presentable frames (exact: counted from the packet index)
-    duration: float  # seconds from the first frame's timestamp to the end of the last frame
-    start_time: float  # first frame's timestamp in seconds; reported times are relative to it
-    orientation: Orientation = UPRIGHT  # from the container header (display matrix, else `rotate` tag)
-
-    @property
-    def upright_size(self) -> tuple[int, int]:
-        """(H, W) of the frames once turned upright, as the header describes them."""
-        return upright_size(self.height, self.width, self.orientation)
 
 
 @dataclass
@@ -216,9 +173,9 @@ class VideoReader:
             self.close()
             # The data ended inside the header: a cut file (anything else is just unreadable).
             code = TRUNCATED_VIDEO if isinstance(exc, EOFError) else CORRUPT_VIDEO
-            raise MediaError(reason=f"cannot read the video: {_ffmpeg_reason(exc)}", code=code) from exc
+            raise MediaError(reason=f"cannot read the video: {ffmpeg_reason(exc)}", code=code) from exc
 
-    # -- setup: stream choice, header checks, packet index ------------------------------------
+    # -- setup: stream choice, header checks, packet index (`video_index`) ------------------------
 
     def _setup(self, container_name: str, raw: bytes) -> None:
         assert self._container is not None
@@ -250,16 +207,24 @@ class VideoReader:
         self._ctx = ctx
         self._decoder_used = False  # flush before reuse: an earlier read may have drained it
         self._time_base = stream.time_base or Fraction(1, 1)
-        self._check_declared_length(stream)
-        self._index_packets()
-        fps = self._frame_rate(stream)
+        check_declared_length(stream, self.limits.max_stream_frames)
+        index = index_packets(
+            self._container, stream, self._time_base, self.limits.max_stream_frames, keep_packets=not self.index_only
+        )
+        self._packets = index.packets
+        self._packet_pts = index.packet_pts
+        self._packet_of_pts = index.packet_of_pts
+        self._keyframes = index.keyframes
+        self._frame_pts = index.frame_pts
+        self._span_s = index.span_s
+        fps = frame_rate(stream, index, self._time_base)
         self._interval_s = 1.0 / fps  # index i <-> time i * interval on the stream's timeline
         # The chosen stream is the first video track: cover art streams come after the tracks.
         matrix = container_display_matrix(raw, container_name, track_id=stream.id, video_index=0)
         if matrix is not None:
             header_orientation = orientation_from_matrix(matrix)
         else:
-            header_orientation = orientation_from_rotate_tag(_rotate_tag(stream))
+            header_orientation = orientation_from_rotate_tag(rotate_tag(stream))
         self.info = VideoInfo(
             container=container_name,
             codec=ctx.name,
@@ -278,121 +243,6 @@ class VideoReader:
                 reason=f"frames are {width}x{height} = {width * height} pixels, "
                 f"above the limit of {self.max_frame_pixels}",
                 code=TOO_MANY_PIXELS,
-            )
-
-    def _check_declared_length(self, stream: av.video.stream.VideoStream) -> None:
-        """Refuse, before demuxing anything, a stream whose header itself declares too many frames."""
-        limit = self.limits.max_stream_frames
-        declared = int(stream.frames or 0)
-        source = "frames"
-        if declared <= 0:
-            seconds = _stream_duration_s(stream)
-            rate = stream.average_rate or stream.guessed_rate
-            if seconds is not None and rate:
-                declared, source = int(seconds * float(rate)), f"{seconds:.1f} s at {float(rate):.3f} fps"
-        if declared > limit:
-            raise MediaError(
-                reason=f"the header declares {declared} frames ({source}), above the limit of {limit} "
-                "frames per video",
-                code=TOO_MANY_FRAMES,
-            )
-
-    def _index_packets(self) -> None:
-        """Demux (no decoding) the stream's packets, at most max_stream_frames, and index frames by time."""
-        assert self._container is not None
-        limit = self.limits.max_stream_frames
-        timestamps: list[int | None] = []
-        keyframes: list[int] = []
-        shown: set[int] = set()
-        durations: dict[int, int] = {}
-        last_corrupt = False
-        demux_error: str | None = None
-        demuxer = self._container.demux(self._stream)
-        try:
-            for packet in demuxer:
-                if packet.size <= 0:  # the demuxer ends with an empty flush packet
-                    continue
-                if len(timestamps) >= limit:
-                    raise MediaError(
-                        reason=f"the video stream holds more than {limit} frames, the limit per video",
-                        code=TOO_MANY_FRAMES,
-                    )
-                t = packet.pts if packet.pts is not None else packet.dts
-                ts = int(t) if t is not None else None
-                if packet.is_keyframe:
-                    keyframes.append(len(timestamps))
-                # Frames the decoder drops (edit-list trimming) are decoded as references but never shown.
-                if ts is not None and not packet.is_discard:
-                    shown.add(ts)
-                if ts is not None and packet.duration and packet.duration > 0:
-                    durations[ts] = int(packet.duration)
-                last_corrupt = bool(packet.is_corrupt)
-                timestamps.append(ts)
-                if not self.index_only:
-                    self._packets.append(packet)
-        except (av.error.FFmpegError, OSError, EOFError) as exc:
-            demux_error = _ffmpeg_reason(exc)
-        finally:
-            demuxer.close()  # not left suspended for the collector when the limit stops the pass
-        self._packet_count = len(timestamps)
-        self._packet_pts = timestamps
-        ordered = sorted(shown)
-        self._frame_pts = np.asarray(ordered, dtype=np.int64)
-        self._span_s = self._timeline_span(ordered, durations)
-        # A cut file is the likeliest cause of any problem below: say so first.
-        self._check_truncation(demux_error, last_corrupt)
-        if not timestamps or not ordered:
-            raise MediaError(reason="the video stream has no frames", code=CORRUPT_VIDEO)
-        if any(t is None for t in timestamps):
-            raise MediaError(reason="the video stream has packets without timestamps", code=CORRUPT_VIDEO)
-        self._packet_of_pts = {t: i for i, t in enumerate(timestamps)}
-        self._keyframes = keyframes
-        if not self._keyframes:
-            raise MediaError(
-                reason="the video stream has no keyframe to start decoding from", code=CORRUPT_VIDEO
-            )
-
-    def _timeline_span(self, shown: list[int], durations: dict[int, int]) -> float:
-        """Seconds from the first frame's timestamp to the end of the last frame (its duration, or
-        the typical frame interval when the container does not say)."""
-        if not shown:
-            return 0.0
-        last_duration = durations.get(shown[-1], 0)
-        if last_duration == 0 and len(shown) > 1:
-            last_duration = int(np.median(np.diff(shown)))
-        return float((shown[-1] - shown[0] + last_duration) * self._time_base)
-
-    def _frame_rate(self, stream: av.video.stream.VideoStream) -> float:
-        """The header's average rate when the timestamps follow it (constant frame rate; exact even
-        where the time base rounds), else frames / duration measured on the timestamps (variable
-        frame rate, or a header rate that does not describe this stream)."""
-        n = len(self._frame_pts)
-        first_to_last = float((self._frame_pts[-1] - self._frame_pts[0]) * self._time_base)
-        for rate in (stream.average_rate, stream.guessed_rate):
-            if rate is not None and rate > 0:
-                if n == 1 or abs(first_to_last - (n - 1) / float(rate)) <= 0.5 / float(rate):
-                    return float(rate)
-                break
-        if self._span_s > 0:
-            return n / self._span_s
-        raise MediaError(reason="cannot tell the frame rate of the video", code=CORRUPT_VIDEO)
-
-    def _check_truncation(self, demux_error: str | None, last_corrupt: bool) -> None:
-        """Refuse files cut short: the header promised more than the packets deliver."""
-        stream = self._stream
-        reasons = []
-        if demux_error is not None:
-            reasons.append(f"demuxing stopped with an error ({demux_error})")
-        if self._packet_count and last_corrupt:
-            reasons.append("the last packet is incomplete")
-        if stream.frames and self._packet_count < stream.frames - 1:
-            reasons.append(f"the header lists {stream.frames} frames, the file holds {self._packet_count}")
-        header_s = _stream_duration_s(stream)
-        if header_s is not None and header_s - self._span_s > max(1.0, 0.05 * header_s):
-            reasons.append(f"the header says {header_s:.2f} s, the frames cover {self._span_s:.2f} s")
-        if reasons:
-            raise MediaError(
-                reason="the video is truncated or damaged: " + "; ".join(reasons), code=TRUNCATED_VIDEO
             )
 
     # -- public API ---------------------------------------------------------------------------
@@ -463,7 +313,7 @@ class VideoReader:
             raise
         except (av.error.FFmpegError, OSError, EOFError) as exc:
             raise MediaError(
-                reason=f"cannot decode the video: {_ffmpeg_reason(exc)}", code=CORRUPT_VIDEO
+                reason=f"cannot decode the video: {ffmpeg_reason(exc)}", code=CORRUPT_VIDEO
             ) from exc
 
     def frames_at_positions(self, positions: Sequence[int] | np.ndarray) -> DecodedVideo:
@@ -610,88 +460,12 @@ class VideoReader:
 
     def _to_rgb(self, frame: av.VideoFrame) -> np.ndarray:
         if self._frame_orientation is None:
-            self._frame_orientation = _orientation(frame, self._stream)
+            self._frame_orientation = frame_orientation(frame, self._stream)
         if self._rgb is None:
             self._rgb = VideoReformatter()  # one swscale context per reader, with a bounded thread count
         rgb = self._rgb.reformat(frame, format="rgb24", threads=self.threads).to_ndarray()
         self.stats["converted_pixels"] += frame.width * frame.height
-        return _orient(rgb, self._frame_orientation)
-
-
-# -- orientation ----------------------------------------------------------------------------------
-
-
-def _display_matrix(frame: Any) -> tuple[int, ...] | None:
-    """The nine ints of a frame's display matrix, or None.
-
-    `frame.side_data` caches a container on the frame that points back at the frame: a reference cycle that
-    keeps the decoded frame (its buffers, and the swscale context and threads of `frame.reformat`) alive until
-    the garbage collector runs. A container made here is referenced by nothing but this function, so the
-    frame is freed by reference counting; the matrix leaves as plain ints.
-    """
-    try:
-        entries = _SideDataContainer(frame) if _SideDataContainer is not None else frame.side_data
-    except TypeError:  # not a PyAV frame (tests pass stand-ins)
-        entries = frame.side_data
-    for entry in entries:
-        # PyAV <= 18 iterates the side data themselves; 19 made the container a mapping by type.
-        side = entry if hasattr(entry, "type") else entries[entry]
-        if getattr(side.type, "name", "") == "DISPLAYMATRIX":
-            m = np.frombuffer(bytes(side), dtype=np.int32)
-            if m.size >= 5:
-                return tuple(int(v) for v in m[:9])
-    return None
-
-
-def _orientation(frame: Any, stream: Any) -> Orientation:
-    """(transpose, flip_rows, flip_cols) that make the stored frame look as its display matrix says; without a
-    matrix, the stream's legacy `rotate` tag (clockwise degrees)."""
-    matrix = _display_matrix(frame)
-    if matrix is not None:
-        return orientation_from_matrix(matrix)
-    return orientation_from_rotate_tag(_rotate_tag(stream))
-
-
-def _rotate_tag(stream: Any) -> str | None:
-    return next((v for k, v in stream.metadata.items() if k.lower() == "rotate"), None)
-
-
-def _orient(rgb: np.ndarray, orientation: Orientation) -> np.ndarray:
-    transpose, flip_rows, flip_cols = orientation
-    if not (transpose or flip_rows or flip_cols):
-        return rgb
-    out = rgb.transpose(1, 0, 2) if transpose else rgb
-    if flip_rows:
-        out = out[::-1]
-    if flip_cols:
-        out = out[:, ::-1]
-    return np.ascontiguousarray(out)
-
-
-# -- helpers --------------------------------------------------------------------------------------
-
-
-def _stream_duration_s(stream: av.video.stream.VideoStream) -> float | None:
-    """The stream's own duration from the header, if it states one (MP4 track, MKV DURATION tag)."""
-    if stream.duration is not None and stream.duration > 0 and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
-    tag = stream.metadata.get("DURATION") or stream.metadata.get("duration")
-    if tag and ":" in tag:
-        try:
-            h, m, s = tag.split(":")
-            return int(h) * 3600 + int(m) * 60 + float(s)
-        except ValueError:
-            return None
-    return None
-
-
-def _ffmpeg_reason(exc: BaseException) -> str:
-    """A short, client-safe reason from a PyAV error (no paths: we only ever open bytes)."""
-    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-    log = getattr(exc, "log", None)
-    if log and isinstance(log, tuple) and len(log) >= 3 and log[2]:
-        text = f"{text} ({str(log[2]).strip()})"
-    return text[:300]
+        return turn_upright(rgb, self._frame_orientation)
 
 
 def probe_video(

@@ -1,0 +1,424 @@
+"""Which frames of a video to sample and how large to make them, before anything is decoded.
+
+The rules follow the reference each model family ships with:
+
+* Qwen2-VL / Qwen2.5-VL: qwen-vl-utils 0.0.14 `fetch_video` with its decord/torchcodec readers
+  (`smart_nframes`, `calculate_video_frame_range`, `torch.linspace(...).round()` indices, the
+  per-frame pixel budget of `fetch_video`), resize with `smart_resize` (factor patch*merge).
+* Qwen3-VL: transformers' `Qwen3VLVideoProcessor` (`sample_frames`, and its own `smart_resize`
+  that bounds T*H*W of the whole clip between size.shortest_edge and size.longest_edge).
+
+`VideoOptions` are one item's per-request overrides of the config's video defaults; `plan_sampling`
+turns them, the frame count and the frame rate into a `SamplingPlan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.config import ProcessorConfig
+from service.media.errors import ASPECT_RATIO, INVALID_OPTION, TOO_FEW_FRAMES, MediaError
+from service.media.image_preprocess import MAX_ASPECT_RATIO, smart_resize
+
+QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN3_FAMILIES = ("qwen3_vl",)
+
+# qwen-vl-utils' FRAME_FACTOR; it is the temporal_patch_size of every Qwen-VL checkpoint.
+FRAME_FACTOR = 2
+# Qwen3VLVideoProcessor.max_video_tokens: per-frame token ceiling when cap_pixels_per_frame is on.
+QWEN3_MAX_VIDEO_TOKENS = 768
+
+
+# -- rounding helpers (qwen-vl-utils) -------------------------------------------------------------
+
+
+def round_by_factor(number: float, factor: int) -> int:
+    return round(number / factor) * factor
+
+
+def ceil_by_factor(number: float, factor: int) -> int:
+    return math.ceil(number / factor) * factor
+
+
+def floor_by_factor(number: float, factor: int) -> int:
+    return math.floor(number / factor) * factor
+
+
+def torch_linspace_round(start: float, end: float, steps: int) -> np.ndarray:
+    """`torch.linspace(start, end, steps).round().long()` (default float32) with numpy.
+
+    numpy's float64 linspace rounds differently on long clips. torch's CPU kernel computes the
+    first half as start + step*i and the second half as end - step*(steps-1-i), each as one fused
+    multiply-add rounded once to float32, with step = (end - start) / (steps - 1) in float32. The
+    float64 product and sum are exact here (24-bit step times an index below 2**29), so one cast to
+    float32 is that single rounding. Rounding is half to even in both libraries.
+    """
+    if steps < 1:
+        return np.zeros(0, dtype=np.int64)
+    s32, e32 = np.float32(start), np.float32(end)
+    if steps == 1:
+        return np.round(np.asarray([s32])).astype(np.int64)
+    step = np.float64(np.float32(e32 - s32) / np.float32(steps - 1))
+    i = np.arange(steps, dtype=np.float64)
+    head = (np.float64(s32) + step * i).astype(np.float32)
+    tail = (np.float64(e32) - step * (steps - 1 - i)).astype(np.float32)
+    values = np.where(np.arange(steps) < steps // 2, head, tail)
+    return np.round(values).astype(np.int64)
+
+
+# -- Qwen2-VL / Qwen2.5-VL: qwen-vl-utils ---------------------------------------------------------
+
+
+def frame_range(
+    total_frames: int, video_fps: float, video_start: float | None = None, video_end: float | None = None
+) -> tuple[int, int, int]:
+    """(first, last, count) frame indices inside [video_start, video_end] seconds.
+
+    qwen-vl-utils `calculate_video_frame_range`: times are clamped to the clip, the first index is
+    ceil(start * fps), the last floor(end * fps) capped at the last frame.
+    """
+    if video_start is None and video_end is None:
+        return 0, total_frames - 1, total_frames
+    max_duration = total_frames / video_fps
+    first = 0
+    if video_start is not None:
+        first = math.ceil(max(0.0, min(video_start, max_duration)) * video_fps)
+    last = total_frames - 1
+    if video_end is not None:
+        last = min(math.floor(max(0.0, min(video_end, max_duration)) * video_fps), total_frames - 1)
+    if first >= last:
+        raise MediaError(
+            reason=f"video_start/video_end select no frames: frames {first}..{last} of a "
+            f"{max_duration:.2f} s clip ({total_frames} frames at {video_fps:.3f} fps)",
+            code=INVALID_OPTION,
+        )
+    return first, last, last - first + 1
+
+
+def qwen2_nframes(
+    total_frames: int,
+    video_fps: float,
+    *,
+    fps: float = 2.0,
+    nframes: int | None = None,
+    min_frames: int = 4,
+    max_frames: int | None = None,
+    default_max_frames: int = 768,
+) -> int:
+    """qwen-vl-utils `smart_nframes`: how many frames to sample.
+
+    nframes given: round it to FRAME_FACTOR. Otherwise total/video_fps*fps, clamped to
+    [ceil2(min_frames), floor2(max_frames)] and to total_frames, then floored to FRAME_FACTOR;
+    max_frames defaults to min(default_max_frames, total_frames). The result must lie in
+    [FRAME_FACTOR, total_frames].
+    """
+    if nframes is not None:
+        n = round_by_factor(nframes, FRAME_FACTOR)
+    else:
+        lo = ceil_by_factor(min_frames, FRAME_FACTOR)
+        hi = floor_by_factor(
+            max_frames if max_frames is not None else min(default_max_frames, total_frames), FRAME_FACTOR
+        )
+        wanted = total_frames / video_fps * fps
+        n = floor_by_factor(min(min(max(wanted, lo), hi), total_frames), FRAME_FACTOR)
+    if not FRAME_FACTOR <= n <= total_frames:
+        if total_frames < FRAME_FACTOR:
+            raise MediaError(
+                reason=f"the video has {total_frames} frame(s) in range; at least {FRAME_FACTOR} are needed",
+                code=TOO_FEW_FRAMES,
+            )
+        raise MediaError(
+            reason=f"sampling asks for {n} frames; it must lie in [{FRAME_FACTOR}, {total_frames}] "
+            f"(frames in range)",
+            code=INVALID_OPTION,
+        )
+    return n
+
+
+def qwen2_frame_pixel_bounds(
+    nframes: int,
+    *,
+    min_pixels: int,
+    frame_max_pixels: int,
+    total_pixels: float,
+    max_pixels: float | None = None,
+) -> tuple[int, float]:
+    """qwen-vl-utils `fetch_video` per-frame bounds: the total budget shared by the frames.
+
+    max = max(min(frame_max_pixels, total_pixels / nframes * FRAME_FACTOR), int(min_pixels * 1.05)),
+    then lowered (never raised) by a requested max_pixels. frame_max_pixels plays
+    VIDEO_MAX_TOKEN_NUM * factor**2 (768 tokens), min_pixels VIDEO_MIN_TOKEN_NUM * factor**2.
+    """
+    budget = max(min(frame_max_pixels, total_pixels / nframes * FRAME_FACTOR), int(min_pixels * 1.05))
+    if max_pixels is not None:
+        budget = min(max_pixels, budget)
+    return min_pixels, budget
+
+
+# -- Qwen3-VL: transformers Qwen3VLVideoProcessor -------------------------------------------------
+
+
+def qwen3_num_frames(
+    total_frames: int,
+    video_fps: float,
+    *,
+    fps: float = 2.0,
+    num_frames: int | None = None,
+    min_frames: int = 4,
+    max_frames: int = 768,
+) -> int:
+    """Qwen3VLVideoProcessor.sample_frames: int(total/video_fps*fps) clamped to [min_frames,
+    max_frames] and to total_frames; an explicit num_frames is used as is (no rounding)."""
+    if num_frames is not None:
+        return int(num_frames)
+    n = int(total_frames / video_fps * fps)
+    return min(max(n, min_frames), max_frames, total_frames)
+
+
+def qwen3_smart_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int = 2,
+    factor: int = 32,
+    min_pixels: float = 128 * 32 * 32,
+    max_pixels: float = 32 * 32 * 768,
+) -> tuple[int, int]:
+    """The Qwen3-VL video `smart_resize`: sides multiples of `factor`, with T*H*W (T rounded to
+    temporal_factor) kept within [min_pixels, max_pixels] by a common scale of H and W."""
+    if num_frames < temporal_factor:
+        raise MediaError(
+            reason=f"{num_frames} frame(s) sampled; Qwen3-VL needs at least {temporal_factor}",
+            code=TOO_FEW_FRAMES,
+        )
+    if height < factor or width < factor:
+        # Tiny frames are first scaled up so the short side reaches one factor.
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise MediaError(
+            reason=f"aspect ratio {ratio:.1f} of {width}x{height} frames is above {MAX_ASPECT_RATIO}",
+            code=ASPECT_RATIO,
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen3_max_pixels(
+    num_frames: int, *, factor: int, min_pixels: float, max_pixels: float, cap_pixels_per_frame: bool
+) -> float:
+    """Upper T*H*W bound for `qwen3_smart_resize`; with the optional per-frame cap of
+    Qwen3VLVideoProcessor.resize (qwen-vl-utils style), each frame gets at most
+    min(768 tokens, max_pixels // T) pixels, floored at int(min_pixels * 1.05)."""
+    if not cap_pixels_per_frame:
+        return max_pixels
+    frame_cap = QWEN3_MAX_VIDEO_TOKENS * factor * factor
+    per_frame = max(min(frame_cap, int(max_pixels) // num_frames), int(min_pixels * 1.05))
+    return per_frame * num_frames
+
+
+# -- planning -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Which frames to take and how large to make them, before anything is decoded."""
+
+    indices: np.ndarray  # int64 [n] frame indices on the stream's timeline
+    sample_fps: float  # frames per second of the sample (qwen-vl-utils' sample_fps)
+    size: Callable[[int, int], tuple[int, int]]  # upright (H, W) -> resized (h, w)
+    requested_fps: float | None = None  # the fps the count was derived from (None when nframes was given)
+    # What moved the count away from duration * requested fps (beyond rounding): "min_frames" raised it,
+    # "max_frames" or "frame_count" (fewer frames in range than that fps needs) lowered it; None: nothing.
+    fps_adjusted_by: str | None = None
+
+
+def _fps_adjustment(wanted: float, clamped: float, cap: int, count: int) -> str | None:
+    """Which bound the sampling rule clamped `wanted` frames to, if any: min_frames raised it, or the smaller
+    of max_frames (`cap`) and the frames in range (`count`) lowered it."""
+    if clamped > wanted:
+        return "min_frames"
+    if clamped < wanted:
+        return "max_frames" if cap < count else "frame_count"
+    return None
+
+
+def plan_sampling(
+    cfg: ProcessorConfig, total_frames: int, video_fps: float, options: VideoOptions | None = None
+) -> SamplingPlan:
+    """Frame indices and the resize rule for a video with `total_frames` frames at `video_fps`."""
+    o = options or VideoOptions()
+    fps, nframes, min_frames, max_frames = o.fps, o.nframes, o.min_frames, o.max_frames
+    video_start, video_end = o.video_start, o.video_end
+    min_pixels, max_pixels, total_pixels = o.min_pixels, o.max_pixels, o.total_pixels
+    if total_frames < 1 or not video_fps > 0:
+        raise MediaError(
+            reason=f"the video has {total_frames} frames at {video_fps} fps", code=TOO_FEW_FRAMES
+        )
+    vcfg = cfg.video
+    adjusted: str | None = None
+    first, last, count = frame_range(total_frames, video_fps, video_start, video_end)
+    want_fps = vcfg.fps if fps is None else fps
+    lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
+    factor = cfg.factor
+    if cfg.family in QWEN2_FAMILIES:
+        n = qwen2_nframes(
+            count,
+            video_fps,
+            fps=want_fps,
+            nframes=nframes,
+            min_frames=vcfg.min_frames if min_frames is None else min_frames,
+            max_frames=max_frames,
+            default_max_frames=vcfg.max_frames,
+        )
+        indices = torch_linspace_round(first, last, n)
+        if nframes is None:
+            cap = vcfg.max_frames if max_frames is None else max_frames
+            lo_n = ceil_by_factor(vcfg.min_frames if min_frames is None else min_frames, FRAME_FACTOR)
+            hi_n = floor_by_factor(min(cap, count) if max_frames is None else cap, FRAME_FACTOR)
+            wanted = count / video_fps * want_fps
+            adjusted = _fps_adjustment(wanted, min(min(max(wanted, lo_n), hi_n), count), cap, count)
+        lo, hi = qwen2_frame_pixel_bounds(
+            n,
+            min_pixels=lo_px,
+            frame_max_pixels=vcfg.max_pixels,
+            total_pixels=vcfg.total_pixels if total_pixels is None else total_pixels,
+            max_pixels=max_pixels,
+        )
+        if hi < lo:
+            raise MediaError(
+                reason=f"max_pixels {hi:g} per frame is below min_pixels {lo}", code=INVALID_OPTION
+            )
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return smart_resize(height, width, factor, lo, hi)  # type: ignore[arg-type]
+
+    elif cfg.family in QWEN3_FAMILIES:
+        n = qwen3_num_frames(
+            count,
+            video_fps,
+            fps=want_fps,
+            num_frames=nframes,
+            min_frames=vcfg.min_frames if min_frames is None else min_frames,
+            max_frames=vcfg.max_frames if max_frames is None else max_frames,
+        )
+        if n < cfg.temporal_patch_size:
+            raise MediaError(
+                reason=f"{n} frame(s) sampled from {count} in range; Qwen3-VL needs at least "
+                f"{cfg.temporal_patch_size}",
+                code=TOO_FEW_FRAMES,
+            )
+        indices = np.linspace(first, last, n).round().astype(np.int64)
+        if nframes is None:
+            cap = vcfg.max_frames if max_frames is None else max_frames
+            adjusted = _fps_adjustment(int(count / video_fps * want_fps), n, cap, count)
+        hi_budget: float = vcfg.max_pixels if max_pixels is None else max_pixels
+        if total_pixels is not None:
+            hi_budget = min(hi_budget, total_pixels)
+        hi = qwen3_max_pixels(
+            n,
+            factor=factor,
+            min_pixels=lo_px,
+            max_pixels=hi_budget,
+            cap_pixels_per_frame=o.cap_pixels_per_frame,
+        )
+        tps = cfg.temporal_patch_size
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return qwen3_smart_resize(
+                n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi
+            )
+
+    else:
+        raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
+    sample_fps = n / max(count, 1e-6) * video_fps
+    return SamplingPlan(
+        indices=indices,
+        sample_fps=sample_fps,
+        size=size,
+        requested_fps=None if nframes is not None else float(want_fps),
+        fps_adjusted_by=adjusted,
+    )
+
+
+# -- options ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """One video item's options; None takes the config's video default (see `preprocess_video_bytes`)."""
+
+    fps: float | None = None
+    nframes: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    video_start: float | None = None
+    video_end: float | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+    max_frame_pixels: int | None = None
+    cap_pixels_per_frame: bool = False
+
+    def check(self) -> None:
+        """Per-request options come from clients: refuse nonsense with a MediaError, not a crash."""
+        fps, nframes, min_frames, max_frames = self.fps, self.nframes, self.min_frames, self.max_frames
+        video_start, video_end = self.video_start, self.video_end
+        min_pixels, max_pixels, total_pixels = self.min_pixels, self.max_pixels, self.total_pixels
+        max_frame_pixels = self.max_frame_pixels
+
+        def bad(reason: str) -> MediaError:
+            return MediaError(reason=reason, code=INVALID_OPTION)
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            return (
+                isinstance(x, (int, float, np.integer, np.floating))
+                and not isinstance(x, bool)
+                and math.isfinite(x)
+            )
+
+        if fps is not None and nframes is not None:
+            raise bad("give fps or nframes, not both")
+        if fps is not None and not (is_num(fps) and fps > 0):
+            raise bad(f"fps must be a positive number, got {fps!r}")
+        if nframes is not None and not (is_int(nframes) and nframes >= 2):
+            raise bad(f"nframes must be an integer >= 2, got {nframes!r}")
+        for name, value in (("min_frames", min_frames), ("max_frames", max_frames)):
+            if value is not None and not (is_int(value) and value >= 1):
+                raise bad(f"{name} must be an integer >= 1, got {value!r}")
+        if min_frames is not None and max_frames is not None and min_frames > max_frames:
+            raise bad(f"min_frames {min_frames} is above max_frames {max_frames}")
+        for name, value in (("video_start", video_start), ("video_end", video_end)):
+            if value is not None and not (is_num(value) and value >= 0):
+                raise bad(f"{name} must be a number of seconds >= 0, got {value!r}")
+        if video_start is not None and video_end is not None and video_start >= video_end:
+            raise bad(f"video_start {video_start} must be before video_end {video_end}")
+        for name, value in (
+            ("min_pixels", min_pixels),
+            ("max_pixels", max_pixels),
+            ("total_pixels", total_pixels),
+            ("max_frame_pixels", max_frame_pixels),
+        ):
+            if value is not None and not (is_int(value) and value >= 1):
+                raise bad(f"{name} must be an integer >= 1, got {value!r}")
+        if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+            raise bad(f"min_pixels {min_pixels} is above max_pixels {max_pixels}")
