@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.protocol import Capacity
+from models.protocol import Capacity, Layout
 
 MIN_LENGTH_CLASS = 64  # patches: segments up to 64 patches (an 8x8-patch frame) share the lowest class
 # Items per batch unless set: enough that a full budget of small images is one batch (the limit was the
@@ -53,8 +53,9 @@ class BudgetPlan:
     merge_unit: int  # patches per merged token
     t_capture: int  # temporal patches per video slot
     max_segment_patches: int  # the largest frame the preprocessing can produce
-    windows: bool = False  # Qwen2.5-VL window attention needs a window capacity
-    window_patches: int = 0  # patches in one full window (Qwen2.5-VL)
+    # The tower's layout beyond whole frames (e.g. windows): it adds its own bounds to a class's
+    # patches, segments and longest segment. None: nothing beyond those.
+    layout: Layout | None = None
 
     @classmethod
     def create(
@@ -66,8 +67,7 @@ class BudgetPlan:
         merge_unit: int = 4,
         t_capture: int = 8,
         max_segment_patches: int = 65536,
-        windows: bool = False,
-        window_patches: int = 0,
+        layout: Layout | None = None,
     ) -> BudgetPlan:
         if max_batch_tokens < 1:
             raise BudgetError(f"--max-batch-tokens must be positive, got {max_batch_tokens}")
@@ -79,7 +79,7 @@ class BudgetPlan:
             raise BudgetError(f"--max-batch-items must be between 1 and the largest budget ({chosen[-1]}), got {items}")
         if t_capture < 1:
             raise BudgetError(f"--t-capture must be at least 1, got {t_capture}")
-        return cls(tuple(chosen), items, merge_unit, t_capture, max_segment_patches, windows, window_patches)
+        return cls(tuple(chosen), items, merge_unit, t_capture, max_segment_patches, layout)
 
     @property
     def max_budget(self) -> int:
@@ -109,20 +109,8 @@ class BudgetPlan:
         lower = 0 if key.length_class == MIN_LENGTH_CLASS else key.length_class // 2
         min_segment = max(lower + 1, self.merge_unit)  # a frame is at least one merge block
         segments = min(self.max_segments(key.modality), patches // min_segment)
-        windows = 0
-        if self.windows:
-            # A frame of n patches has at most n/16 + 1 windows (ceil(a/4)*ceil(b/4) <= ab/4 + 1 in
-            # merged tokens), but squarish frames have about n/64. Every empty slot still costs the
-            # kernel a block per head, so the class holds twice the square case plus 4 per frame,
-            # never more than the hard bound; a batch of extreme aspect ratios beyond it runs eagerly.
-            windows = min(patches // 16 + segments, patches // 32 + 4 * segments)
-        return Capacity(
-            patches=patches,
-            segments=segments,
-            windows=windows,
-            max_seqlen=min(key.length_class, patches),
-            max_window_seqlen=self.window_patches if self.windows else 0,
-        )
+        base = Capacity(patches=patches, segments=segments, max_seqlen=min(key.length_class, patches))
+        return self.layout.class_capacity(base) if self.layout else base
 
     def keys(self, modalities: tuple[str, ...] = MODALITIES) -> list[GraphKey]:
         """Every graph to capture, largest capacity first (so smaller ones reuse its memory)."""

@@ -36,7 +36,6 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
     proc = tower.processor
     patch_area = proc.patch_size**2
     largest_frame = max(proc.max_pixels, proc.video.max_pixels) // patch_area
-    window = getattr(tower, "window", 0)
     return BudgetPlan.create(
         max_batch_tokens=max_batch_tokens,
         budgets=budgets,
@@ -44,8 +43,7 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
         merge_unit=tower.merge_unit,
         t_capture=t_capture,
         max_segment_patches=max(largest_frame, tower.merge_unit),
-        windows=bool(window),
-        window_patches=window * window * tower.merge_unit,
+        layout=tower.layout,
     )
 
 
@@ -162,7 +160,7 @@ class GraphRunner:
         if reason is None:
             try:
                 return self.pool.replay(batch.key, pixels, grids)  # type: ignore[arg-type]
-            except CapacityError:  # e.g. more Qwen2.5-VL windows than the class holds; nothing ran yet
+            except CapacityError:  # e.g. more attention windows than the class holds; nothing ran yet
                 reason = "layout_capacity"
         self.stats.record_eager(reason, len(items))
         return joined(self.eager(pixels, grids))

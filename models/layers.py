@@ -1,4 +1,4 @@
-"""Building blocks shared by the Qwen-VL towers.
+"""Building blocks shared by the Qwen-style towers (models/tower.py assembles them as a family says).
 
 Parameter names follow the released checkpoints (after the `visual.` prefix) so a state dict loads
 as is. Every forward is shape-static and sync-free: see models/protocol.py.
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import packed_attention
-from models.kernels import ACTIVATIONS, add_norm, apply_rotary, linear_act
+from models.kernels import ACTIVATIONS, activate, add_norm, apply_rotary, linear_act
 
 
 class PatchEmbed(nn.Module):
@@ -62,6 +62,84 @@ class Mlp(nn.Module):
         return fc2(linear_act(x, fc1, self.act))
 
 
+class GatedMlp(nn.Module):
+    """SwiGLU. After loading, gate and up projections share one weight so a single GEMM computes
+    both, and the intermediate width is zero-padded to a multiple of 64 (Qwen2.5-VL's 3420 is not
+    a multiple of 8, which pushes cuBLAS onto slow kernels); padded units are exactly zero. The
+    checkpoint's parameter names stay as views into the fused tensors."""
+
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = check_activation(act)
+        self.fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def fuse(self) -> None:
+        h, padded = self.hidden, -(-self.hidden // 64) * 64
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        weight = gate.weight.new_zeros(2 * padded, gate.weight.shape[1])
+        bias = gate.bias.new_zeros(2 * padded)
+        down_weight = down.weight.new_zeros(down.weight.shape[0], padded)
+        weight[:h], weight[padded : padded + h] = gate.weight.data, up.weight.data
+        bias[:h], bias[padded : padded + h] = gate.bias.data, up.bias.data
+        down_weight[:, :h] = down.weight.data
+        gate.weight.data, up.weight.data = weight[:h], weight[padded : padded + h]
+        gate.bias.data, up.bias.data = bias[:h], bias[padded : padded + h]
+        down.weight.data = down_weight[:, :h]
+        self.fused = (weight, bias, down_weight, padded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is None:
+            return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+        weight, bias, down_weight, padded = self.fused
+        hidden = activate(F.linear(x, weight, bias), self.act, gated_width=padded)
+        return F.linear(hidden, down_weight, self.down_proj.bias)
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    """The families' two norms, both with eps 1e-6: "layer" (LayerNorm) or "rms" (RMSNorm)."""
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=1e-6)
+    if kind == "rms":
+        return RMSNorm(dim)
+    raise ValueError(f"unknown norm {kind!r}: layer or rms")
+
+
+class Merger(nn.Module):
+    """Merge each block of `unit` patches into one token: norm, concatenate, fc1, GELU, fc2.
+
+    `postshuffle` normalises the concatenated block (DeepStack mergers) rather than each patch.
+    `layout` names the parameters as the checkpoints do: "mlp" is `ln_q` and `mlp.0` / `mlp.2`
+    (Qwen2-VL, Qwen2.5-VL, the Omni models), "linear_fc" is `norm`, `linear_fc1`, `linear_fc2` (Qwen3-VL).
+    """
+
+    def __init__(self, dim: int, out_dim: int, unit: int, norm: str, layout: str = "mlp",
+                 postshuffle: bool = False) -> None:
+        super().__init__()
+        self.width = dim * unit
+        self.postshuffle = postshuffle
+        self.layout = layout
+        normed = make_norm(norm, self.width if postshuffle else dim)
+        fc1, fc2 = nn.Linear(self.width, self.width), nn.Linear(self.width, out_dim)
+        if layout == "mlp":
+            self.ln_q = normed
+            self.mlp = nn.Sequential(fc1, nn.GELU(), fc2)
+        elif layout == "linear_fc":
+            self.norm, self.linear_fc1, self.act_fn, self.linear_fc2 = normed, fc1, nn.GELU(), fc2
+        else:
+            raise ValueError(f"unknown merger layout {layout!r}: mlp or linear_fc")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.ln_q if self.layout == "mlp" else self.norm
+        x = norm(x.view(-1, self.width)) if self.postshuffle else norm(x).view(-1, self.width)
+        if self.layout == "mlp":
+            return self.mlp(x)
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
 class Rotary2D(nn.Module):
     """Axial rotary embedding: half the rotated dims follow the row, half the column."""
 
@@ -92,20 +170,67 @@ class Rotary2D(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, backend: str) -> None:
+    """Multi-head attention over packed segments with 2D rotary positions.
+
+    The checkpoint holds one `qkv` projection (rows q, then k, then v) or, with `separate`, three
+    (`q`, `k`, `v`: Qwen2.5-Omni), fused after loading into one GEMM as `fuse` says. `kv_heads` below
+    `heads` is grouped-query attention (EXAONE 4.5): each key/value head serves `heads / kv_heads`
+    consecutive query heads, expanded before the kernel so every backend sees plain multi-head inputs.
+    """
+
+    def __init__(self, dim: int, heads: int, backend: str, kv_heads: int | None = None,
+                 separate: bool = False) -> None:
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.kv_heads = kv_heads or heads
+        if heads % self.kv_heads:
+            raise ValueError(f"{heads} attention heads cannot share {self.kv_heads} key/value heads")
+        head_dim = dim // heads
+        kv_dim = self.kv_heads * head_dim
+        self.separate = separate
+        if separate:
+            self.q = nn.Linear(dim, dim, bias=True)
+            self.k = nn.Linear(dim, kv_dim, bias=True)
+            self.v = nn.Linear(dim, kv_dim, bias=True)
+        else:
+            self.qkv = nn.Linear(dim, dim + 2 * kv_dim, bias=True)
         self.proj = nn.Linear(dim, dim)
         self.backend = backend
+        self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fuse(self) -> None:
+        """Separate projections: one weight and bias holding q, k and v, the checkpoint's parameters
+        kept as views into it (so a state dict still reads and writes them)."""
+        if not self.separate:
+            return
+        parts = (self.q, self.k, self.v)
+        weight = torch.cat([p.weight.data for p in parts])
+        bias = torch.cat([p.bias.data for p in parts])
+        start = 0
+        for p in parts:
+            end = start + p.weight.shape[0]
+            p.weight.data, p.bias.data = weight[start:end], bias[start:end]
+            start = end
+        self.fused = (weight, bias)
+
+    def projections(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.separate:
+            return self.qkv(x)
+        if self.fused is None:  # not loaded yet (shape checks, reference comparisons)
+            return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        return F.linear(x, *self.fused)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
     ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3, self.heads, -1)
-        q, k = apply_rotary(qkv[:, :2], cos, sin).unbind(1)
-        out = packed_attention(self.backend, q, k, qkv[:, 2], cu_seqlens, max_seqlen)
+        n, heads, kv = x.shape[0], self.heads, self.kv_heads
+        rows = self.projections(x).view(n, heads + 2 * kv, -1)
+        # q and k rotate together: one [n, 1, heads + kv, head_dim] view of the projection's rows
+        qk = apply_rotary(rows[:, : heads + kv].unsqueeze(1), cos, sin)[:, 0]
+        q, k, v = qk[:, :heads], qk[:, heads:], rows[:, heads + kv :]
+        if kv != heads:
+            k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+        out = packed_attention(self.backend, q, k, v, cu_seqlens, max_seqlen)
         return self.proj(out.reshape(n, -1))
 
 

@@ -1,8 +1,10 @@
 """Build a tower from a local Hugging Face checkpoint folder or a built-in preset.
 
-Only the vision tensors are read, lazily through `safe_open`, from one file or from the shards a
-`model.safetensors.index.json` names. Both key layouts are accepted: `visual.*` (Qwen2-VL and
-Qwen2.5-VL releases) and `model.visual.*` (Qwen3-VL releases and transformers 5 `save_pretrained`).
+The checkpoint's `model_type` picks the family (models/families/), which says where the vision config
+sits in config.json and which key prefixes hold the vision tensors (e.g. `visual.*` in Qwen2-VL and
+Qwen2.5-VL releases, `model.visual.*` in later ones and in transformers 5 `save_pretrained`,
+`thinker.visual.*` in the Omni models). Only those tensors are read, lazily through `safe_open`, from
+one file or from the shards a `model.safetensors.index.json` names.
 """
 
 from __future__ import annotations
@@ -17,21 +19,13 @@ from torch import nn
 
 from models.attention import check_backend_name, resolve_backend
 from models.config import ProcessorConfig
+from models.families import FAMILIES, Family
 from models.kernels import enable_triton
 from models.presets import PRESETS, Preset
-from models.qwen2_5_vl import Qwen2_5VisionTower
-from models.qwen2_vl import Qwen2VisionTower
-from models.qwen3_vl import Qwen3VisionTower
 from models.tower import QwenTower
 
 log = logging.getLogger("vitserve.models")
 
-FAMILIES: dict[str, type[QwenTower]] = {
-    "qwen2_vl": Qwen2VisionTower,
-    "qwen2_5_vl": Qwen2_5VisionTower,
-    "qwen3_vl": Qwen3VisionTower,
-}
-VISION_PREFIXES = ("model.visual.", "visual.")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -59,10 +53,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def build_tower(family: str, vision_config: Any, processor: ProcessorConfig, backend: str) -> QwenTower:
     """An uninitialised tower on the meta device (no memory), ready for `to_empty`."""
-    if family not in FAMILIES:
-        raise CheckpointError(f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+    spec = family_of(family)
     with torch.device("meta"):
-        return FAMILIES[family](vision_config, processor, backend)
+        return (spec.tower or QwenTower)(spec, vision_config, processor, backend)
+
+
+def family_of(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
 
 
 def load_tower(
@@ -89,7 +88,7 @@ def _random_tower(name: str, preset: Preset, dev: torch.device, dt: torch.dtype,
 
     cfg = full_config(preset)
     processor = ProcessorConfig.from_dicts(preset.family, preset.preprocessor, preset.video_preprocessor)
-    tower = build_tower(preset.family, cfg.vision_config, processor, backend)
+    tower = build_tower(preset.family, family_of(preset.family).vision_config(cfg), processor, backend)
     tower.to_empty(device=dev)
     init_random(tower, seed)
     tower.to(dt)
@@ -127,13 +126,17 @@ def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
     family = cfg.model_type
     if family not in FAMILIES:
         raise CheckpointError(f"{folder}: unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+    try:
+        vision_config = FAMILIES[family].vision_config(cfg)
+    except AttributeError as exc:
+        raise CheckpointError(f"{folder}/config.json has no vision config: {_one_line(exc)}") from None
     if not (folder / "preprocessor_config.json").is_file():
         raise CheckpointError(f"{folder}: preprocessor_config.json is missing")
     try:
         processor = ProcessorConfig.from_folder(folder, family)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{folder}: a preprocessor config cannot be read: {_one_line(exc)}") from None
-    return family, cfg.vision_config, processor
+    return family, vision_config, processor
 
 
 def _one_line(exc: BaseException) -> str:
@@ -143,7 +146,7 @@ def _one_line(exc: BaseException) -> str:
 def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend: str) -> QwenTower:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, backend)
-    tensors = read_vision_tensors(folder)
+    tensors = read_vision_tensors(folder, FAMILIES[family].prefixes)
     tower.to_empty(device=dev).to(dt)
     load_state(tower, tensors, folder)  # copies, converting to the serving dtype
     tower.reset_buffers()
@@ -162,7 +165,7 @@ def check_model(model: str) -> str:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, "sdpa")  # on the meta device: shapes only
     try:
-        shapes = vision_tensor_shapes(folder)
+        shapes = vision_tensor_shapes(folder, FAMILIES[family].prefixes)
     except (OSError, ValueError) as exc:  # safetensors' own errors are both
         raise CheckpointError(f"{folder}: the safetensors cannot be read: {_one_line(exc)}") from None
     problems = weight_problems({k: tuple(v.shape) for k, v in tower.state_dict().items()}, shapes)
@@ -171,11 +174,11 @@ def check_model(model: str) -> str:
     return family
 
 
-def checkpoint_files(folder: Path) -> list[Path]:
+def checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted({f for k, f in weight_map.items() if k.startswith(VISION_PREFIXES)})
+        names = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
         files = [folder / n for n in names]
     else:
         files = sorted(folder.glob("*.safetensors"))
@@ -185,24 +188,24 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_vision_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Vision tensors keyed without their prefix, read lazily (text weights are never loaded)."""
-    return _read_vision(folder, lambda f, key: f.get_tensor(key))
+def read_vision_tensors(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Vision tensors keyed without their prefix, read lazily (text, audio and other weights are never loaded)."""
+    return _read_vision(folder, prefixes, lambda f, key: f.get_tensor(key))
 
 
-def vision_tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+def vision_tensor_shapes(folder: Path, prefixes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
     """The vision tensors' shapes, from the safetensors headers alone."""
-    return _read_vision(folder, lambda f, key: tuple(f.get_slice(key).get_shape()))
+    return _read_vision(folder, prefixes, lambda f, key: tuple(f.get_slice(key).get_shape()))
 
 
-def _read_vision(folder: Path, read: Any) -> dict[str, Any]:
+def _read_vision(folder: Path, prefixes: tuple[str, ...], read: Any) -> dict[str, Any]:
     from safetensors import safe_open
 
     out: dict[str, Any] = {}
-    for path in checkpoint_files(folder):
+    for path in checkpoint_files(folder, prefixes):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                for prefix in VISION_PREFIXES:
+                for prefix in prefixes:
                     if key.startswith(prefix):
                         out[key[len(prefix) :]] = read(f, key)
                         break

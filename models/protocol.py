@@ -26,7 +26,7 @@ class Capacity:
     """Static shapes of one forward: what a captured graph is specialised on.
 
     patches: rows of pixel input (a multiple of merge_size**2); segments: attention sequences
-    (one per temporal patch of each item); windows: Qwen2.5-VL window sequences (0 elsewhere).
+    (one per temporal patch of each item); windows: window-attention sequences (0 for families without).
     max_seqlen / max_window_seqlen: bounds handed to the attention kernel at capture time.
     """
 
@@ -52,21 +52,44 @@ class CapacityError(ValueError):
 
 @dataclass
 class TowerOutput:
-    """Merged tokens [tokens, out_hidden] in item order, and DeepStack features (Qwen3-VL)."""
+    """Merged tokens [tokens, out_hidden] in item order, and DeepStack features (one per level, as wide)."""
 
     embeds: torch.Tensor
     deepstack: list[torch.Tensor]
 
 
-class VisionTower(Protocol):
-    """What `graphs/` needs from a model family."""
+class Layout(Protocol):
+    """A family's attention layout beyond whole frames (window attention), as a small picklable value:
+    graph plans hold it and travel between processes."""
 
+    def class_capacity(self, base: Capacity) -> Capacity:
+        """A graph class's full capacity from its patches, segments and longest segment: the bounds of
+        this layout added (how many windows, and the longest)."""
+        ...
+
+
+class VisionTower(Protocol):
+    """Everything `graphs/` and the engine read from a model family; nothing else is assumed.
+
+    name: the preset or checkpoint folder it was loaded from; family: the checkpoint's `model_type`.
+    merge: patches per merged-token side (`merge_unit` = merge**2 patches make one token).
+    out_hidden_size: width of a merged token; num_deepstack: DeepStack levels, each as wide.
+    layout: what graph classes must hold beyond whole frames; None for families without windows.
+    """
+
+    name: str
+    family: str
     processor: ProcessorConfig
     out_hidden_size: int
     num_deepstack: int
+    merge: int
+    layout: Layout | None
 
     @property
     def merge_unit(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
     def required_capacity(self, grids: Sequence[Grid]) -> Capacity: ...
 

@@ -1,5 +1,12 @@
-"""What the three Qwen-VL towers share: input normalisation, patch embedding, rotary positions,
-the block stack and the protocol methods. Each family module adds its own metadata and forward."""
+"""The Qwen-style vision tower, assembled from the shared layers as a `Family` describes it.
+
+patch embedding (Conv3d as one GEMM) -> [learned positions, resampled] -> [window reorder] ->
+pre-norm blocks (2D rotary attention over whole frames or windows, plain or gated MLP) -> merger,
+plus DeepStack mergers tapping intermediate blocks -> [window order undone].
+
+The CPU half (`required_capacity`, `layout`, `build_metadata`) works from `grid_thw` alone;
+the device half (`forward`) runs at a fixed `Capacity` and never syncs (models/protocol.py).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +18,13 @@ import torch
 from torch import nn
 
 from models.config import ProcessorConfig
+from models.family import Dims, Family
 from models.kernels import add_norm
-from models.layers import Attention, Normalize, PatchEmbed, Rotary2D
+from models.layers import Attention, Block, GatedMlp, Merger, Mlp, Normalize, PatchEmbed, Rotary2D, make_norm
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
+from models.positions import bilinear_metadata, resample
 from models.protocol import Capacity, CapacityError, Grid, TowerOutput
+from models.windows import Windows
 
 
 def rope_theta(cfg: Any) -> float:
@@ -23,18 +33,19 @@ def rope_theta(cfg: Any) -> float:
 
 
 class QwenTower(nn.Module):
-    """Base class: subclasses build `self.blocks`, the merger(s) and `_encode`."""
+    """One tower of `family` built from its vision config. Parameter names follow the checkpoints
+    (after the family's vision prefix), so a state dict loads as is."""
 
-    family: str = ""
-    num_deepstack: int = 0
-
-    def __init__(self, vision_config: Any, processor: ProcessorConfig, backend: str, hidden: int) -> None:
+    def __init__(self, family: Family, vision_config: Any, processor: ProcessorConfig, backend: str) -> None:
         super().__init__()
+        self.spec = family
+        self.family = family.model_type
+        self.name = family.model_type  # the loader names it after its preset or folder
         self.config = vision_config
         self.processor = processor
         self.backend = backend
-        self.hidden = hidden
-        self.heads = vision_config.num_heads
+        dims = self.dims = family.dims(vision_config)
+        self.hidden, self.heads = dims.hidden, dims.heads
         self.merge = vision_config.spatial_merge_size
         cin, tps, ps = vision_config.in_channels, vision_config.temporal_patch_size, vision_config.patch_size
         if (ps, tps, self.merge) != (processor.patch_size, processor.temporal_patch_size, processor.merge_size):
@@ -44,17 +55,64 @@ class QwenTower(nn.Module):
             )
         mean, std = processor.channel_vectors()
         self.normalize = Normalize(torch.from_numpy(mean), torch.from_numpy(std), processor.rescale_factor)
-        self.patch_embed = PatchEmbed((cin, tps, ps, ps), hidden, bias=self.family == "qwen3_vl")
-        self.rotary = Rotary2D(hidden // self.heads, rope_theta(vision_config))
+        self.patch_embed = PatchEmbed((cin, tps, ps, ps), dims.hidden, bias=family.patch_bias)
+        self.rotary = Rotary2D(dims.hidden // dims.heads, rope_theta(vision_config))
+        if family.learned_positions:
+            self.pos_embed = nn.Embedding(vision_config.num_position_embeddings, dims.hidden)
+            self.side = int(vision_config.num_position_embeddings**0.5)
+        self.blocks = nn.ModuleList(self.make_block(dims) for _ in range(dims.depth))
+        self.merger = Merger(dims.hidden, dims.out, self.merge_unit, family.norm, family.merger)
+        self.deepstack_layers: list[int] = list(vision_config.deepstack_visual_indexes) if family.deepstack else []
+        if family.deepstack:
+            setattr(self, family.deepstack, nn.ModuleList(
+                Merger(dims.hidden, dims.out, self.merge_unit, family.norm, family.merger, postshuffle=True)
+                for _ in self.deepstack_layers))
+        self.num_deepstack = len(self.deepstack_layers)
+        self.windows: Windows | None = None  # also the tower's `layout` (models/protocol.py)
+        self.full_attention: frozenset[int] = frozenset(range(dims.depth))
+        if family.windows:
+            # Window edge in merged tokens (112 px / 14 px / 2 = 4 for the released configs).
+            self.windows = Windows(vision_config.window_size // self.merge // ps, self.merge)
+            self.full_attention = frozenset(vision_config.fullatt_block_indexes)
 
-    def reset_buffers(self) -> None:
-        """Recompute the derived (non-checkpoint) buffers, e.g. after building on the meta device."""
-        self.normalize.reset()
-        self.rotary.reset()
+    def make_block(self, dims: Dims) -> Block:
+        f, cfg = self.spec, self.config
+        if f.mlp == "gated":
+            mlp: nn.Module = GatedMlp(dims.hidden, dims.mlp, cfg.hidden_act)
+        else:
+            mlp = Mlp(dims.hidden, dims.mlp, cfg.hidden_act, f.mlp_names)
+        attn = Attention(dims.hidden, dims.heads, self.backend, dims.kv_heads, f.separate_qkv)
+        return Block(make_norm(f.norm, dims.hidden), make_norm(f.norm, dims.hidden), attn, mlp)
+
+    # ---- what the protocol names ------------------------------------------------------------
+    @property
+    def merge_unit(self) -> int:
+        return self.merge * self.merge
+
+    @property
+    def out_hidden_size(self) -> int:
+        return self.dims.out
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def deepstack_mergers(self) -> list[nn.Module]:
+        return list(getattr(self, self.spec.deepstack)) if self.spec.deepstack else []
+
+    def reset_buffers(self) -> None:
+        """Recompute derived (non-checkpoint) state after the weights are in place: buffers left empty
+        by building on the meta device, and the fused projections."""
+        self.normalize.reset()
+        self.rotary.reset()
+        for module in self.modules():
+            if isinstance(module, (GatedMlp, Attention)):
+                module.fuse()
 
     def set_attention(self, backend: str) -> None:
         """Serve every attention layer with `backend` (see models/attention.py)."""
@@ -64,37 +122,48 @@ class QwenTower(nn.Module):
                 module.backend = backend
 
     @property
-    def merge_unit(self) -> int:
-        return self.merge * self.merge
-
-    @property
-    def out_hidden_size(self) -> int:
-        raise NotImplementedError
+    def layout(self) -> Windows | None:
+        return self.windows
 
     # ---- CPU half -------------------------------------------------------------------------
+
     def required_capacity(self, grids: Sequence[Grid]) -> Capacity:
-        return base_capacity(grids)
+        base = base_capacity(grids)
+        return self.windows.required(base, grids) if self.windows else base
 
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
         need = self.required_capacity(grids)
         if not cap.fits(need):
             raise CapacityError(f"batch needs {need}, more than the capacity {cap}")
-        return {
+        meta = {
             "cu_seqlens": padded_cumsum(segment_lengths(grids), cap.segments),
             "pos_ids": rotary_positions(grids, self.merge, cap.patches),
         }
+        if self.spec.learned_positions:
+            meta.update(bilinear_metadata(grids, cap, self.merge, self.side))
+        if self.windows:
+            meta.update(self.windows.metadata(grids, cap, meta["pos_ids"]))
+        return meta
 
     # ---- device half ----------------------------------------------------------------------
     def forward(self, pixels: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         x = self.patch_embed(self.normalize(pixels))
-        return self._encode(x, meta, cap)
-
-    def _encode(self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
-        raise NotImplementedError
+        delta = resample(self.pos_embed.weight, meta).to(x.dtype) if self.spec.learned_positions else None
+        if self.windows:
+            n, unit = x.shape[0], self.merge_unit
+            x = x.view(n // unit, unit, -1)[meta["window_index"]].view(n, -1)
+        x, tapped = self.run_blocks(x, meta, cap, taps=self.deepstack_layers, delta=delta)
+        embeds = self.merger(x)
+        deepstack = [merger(h) for merger, h in zip(self.deepstack_mergers, tapped)]
+        if self.windows:
+            embeds, deepstack = embeds[meta["reverse_index"]], [d[meta["reverse_index"]] for d in deepstack]
+        return TowerOutput(embeds, deepstack)
 
     def layer_segments(self, layer: int, meta: dict[str, torch.Tensor], cap: Capacity) -> tuple[torch.Tensor, int]:
-        """The attention segments of one layer (cu_seqlens, longest-segment bound): whole frames here."""
-        return meta["cu_seqlens"], cap.max_seqlen
+        """The attention segments of one layer (cu_seqlens, longest-segment bound): whole frames or windows."""
+        if layer in self.full_attention:
+            return meta["cu_seqlens"], cap.max_seqlen
+        return meta["cu_window_seqlens"], cap.max_window_seqlen
 
     def run_blocks(
         self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity, taps=(), delta: torch.Tensor | None = None

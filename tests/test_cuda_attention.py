@@ -123,7 +123,7 @@ def test_captured_graph_reads_new_boundaries(backend: str, dim: int) -> None:
 
 def windows_of(*frames: tuple[int, int]) -> list[int]:
     """Qwen2.5-VL's window lengths (8 x 8 patches, smaller at the edges) of frames of h x w patches."""
-    from models.qwen2_5_vl import window_layout
+    from models.windows import window_layout
 
     return [int(n) for h, w in frames for n in window_layout(h, w, 2, 4)[1]]
 

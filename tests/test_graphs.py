@@ -47,7 +47,9 @@ def test_invalid_settings_are_refused_with_the_flag_to_change(kwargs, message):
 
 
 def test_every_key_capacity_is_consistent():
-    plan = BudgetPlan.create(max_batch_tokens=4096, windows=True, window_patches=64)
+    from models.windows import Windows
+
+    plan = BudgetPlan.create(max_batch_tokens=4096, layout=Windows(window=4, merge=2))
     keys = plan.keys()
     assert len(keys) == len(set(keys))
     assert [plan.capacity(k).patches for k in keys] == sorted((plan.capacity(k).patches for k in keys), reverse=True)
@@ -351,8 +353,8 @@ def test_more_windows_than_the_class_holds_falls_back_to_eager():
 def test_per_frame_metadata_is_cached_read_only_and_batches_stay_independent():
     """Per-frame builders cache by shape; the cached arrays cannot be changed through a batch's metadata."""
     from models.metadata import block_order_positions
-    from models.qwen2_5_vl import window_layout
-    from models.qwen3_vl import frame_taps
+    from models.positions import frame_taps
+    from models.windows import window_layout
 
     for cached in (block_order_positions(4, 6, 2), *frame_taps(4, 6, 2, 48), *window_layout(8, 8, 2, 2)):
         assert not cached.flags.writeable

@@ -44,6 +44,14 @@ for dtype in (torch.float32, torch.bfloat16):
         assert fast.shape == ref.shape
         if rows:
             worst["rotary"] = max(worst.get("rotary", 0), rel(fast, ref))
+    for rows, heads, kv, dim in [(5, 16, 4, 80), (3, 8, 8, 72)]:
+        # models.layers.Attention's view: q and k heads of one projection row, then v (grouped or not)
+        packed = randn(rows, heads + 2 * kv, dim)
+        qk = packed[:, : heads + kv].unsqueeze(1)
+        assert qk.stride(1) == (heads + kv) * dim  # what apply_rotary asks before taking the kernel
+        cos = torch.rand(rows, dim, generator=gen)[:, None, None]
+        sin = torch.rand(rows, dim, generator=gen)[:, None, None]
+        worst["rotary"] = max(worst["rotary"], rel(K.rotary_triton(qk, cos, sin), K.rotary_torch(qk, cos, sin)))
     for rows, width in [(4, 5120), (3, 1000), (2, 1), (0, 64)]:
         h = randn(rows, 2 * width) * 3
         for act in K.ACT_CODES:

@@ -42,7 +42,7 @@ def workloads() -> dict[str, dict]:
     """name -> lengths, segment capacity (slots), max_seqlen bound and rows of the packed tensors."""
     import numpy as np
 
-    from models.qwen2_5_vl import window_layout
+    from models.windows import window_layout
 
     # Qwen2.5-VL: 1344x756 px -> 54 x 96 patches, windows of 8x8 patches (4x4 merged tokens), the last
     # row of windows 6 patches high: 84 windows per image, 8 images.

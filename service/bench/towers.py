@@ -78,14 +78,11 @@ def matmul_tflops() -> float:
 
 
 def tower_dims(tower) -> dict:
-    c = tower.config
-    hidden = tower.hidden
-    gated = tower.family == "qwen2_5_vl"
-    inter = int(hidden * c.mlp_ratio) if tower.family == "qwen2_vl" else c.intermediate_size
-    return dict(hidden=hidden, inter=inter, depth=c.depth, heads=tower.heads, gated=gated,
-                cin=tower.processor.patch_dim, out=tower.out_hidden_size, mergers=1 + tower.num_deepstack,
-                unit=tower.merge_unit, window=getattr(tower, "window", 0),
-                full=set(getattr(tower, "full_attention", range(c.depth))))
+    d = tower.dims
+    return dict(hidden=d.hidden, inter=d.mlp, depth=d.depth, heads=d.heads, kv_heads=d.kv_heads,
+                gated=tower.spec.mlp == "gated", cin=tower.processor.patch_dim, out=d.out,
+                mergers=1 + tower.num_deepstack, unit=tower.merge_unit,
+                window=tower.windows.window if tower.windows else 0, full=set(tower.full_attention))
 
 
 def forward_flops(d: dict, grids) -> float:
@@ -156,15 +153,13 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
 def hf_visual(tower):
     import transformers
 
-    classes = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-               "qwen3_vl": "Qwen3VLForConditionalGeneration"}
     preset = PRESETS[tower.name]
     cfg = full_config(preset)
     cfg.vision_config._attn_implementation = "sdpa"
     dev = next(tower.parameters()).device
     dtype = next(tower.parameters()).dtype
     with torch.device("meta"):
-        model = getattr(transformers, classes[preset.family])._from_config(cfg, dtype=dtype)
+        model = getattr(transformers, tower.spec.hf_class)._from_config(cfg, dtype=dtype)
     visual = model.model.visual.to_empty(device=dev)
     visual.load_state_dict(tower.state_dict(), strict=False)
     for m in visual.modules():  # non-persistent rotary buffers were left empty by to_empty

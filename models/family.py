@@ -1,0 +1,85 @@
+"""A model family as data: which parts its vision tower has, what the checkpoint calls them, where its
+config and tensors live, and which preprocessing and hand-off rules it follows.
+
+A family module (models/families/) is one `Family(...)`, usually a `derive` of a relative that names
+what differs; `models/tower.py` builds any of them from the shared layers. A family whose tower
+needs a part none of the others has gives its own `tower` subclass that adds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes a tower is built with, read from its vision config."""
+
+    hidden: int  # residual width
+    heads: int
+    kv_heads: int  # == heads unless the attention groups its keys and values
+    mlp: int  # MLP intermediate width
+    depth: int  # blocks
+    out: int  # merged-token width (the LLM's hidden size)
+
+
+def standard_dims(cfg: Any) -> Dims:
+    """Qwen2.5-VL and later: hidden_size, intermediate_size, out_hidden_size."""
+    heads = cfg.num_heads
+    return Dims(hidden=cfg.hidden_size, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                mlp=cfg.intermediate_size, depth=cfg.depth, out=cfg.out_hidden_size)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. Every field but `model_type` and `title` has the common Qwen-VL default."""
+
+    model_type: str  # the `model_type` of the whole model's config.json
+    title: str  # in logs and the README: "Qwen2.5-VL"
+    # Where things are: the vision config's path inside the model config, and the prefixes of the vision
+    # tensors in the checkpoints (releases and transformers' save_pretrained; tried in order, only these
+    # tensors are read).
+    config_path: tuple[str, ...] = ("vision_config",)
+    prefixes: tuple[str, ...] = ("model.visual.", "visual.")
+    dims: Callable[[Any], Dims] = standard_dims
+    # The tower's parts.
+    norm: Literal["layer", "rms"] = "layer"  # every norm of the tower
+    patch_bias: bool = False  # the patch embedding's Conv3d has a bias
+    separate_qkv: bool = False  # `attn.q`, `attn.k`, `attn.v` rather than one `attn.qkv`
+    mlp: Literal["plain", "gated"] = "plain"  # fc2(act(fc1(x))) or down(act(gate(x)) * up(x))
+    mlp_names: tuple[str, str] = ("fc1", "fc2")  # a plain MLP's two projections
+    windows: bool = False  # window attention (`window_size`, `fullatt_block_indexes` in the config)
+    learned_positions: bool = False  # a `pos_embed` table resampled bilinearly to each grid
+    merger: Literal["mlp", "linear_fc"] = "mlp"  # parameter layout of the mergers (models.layers.Merger)
+    deepstack: str | None = None  # attribute holding the DeepStack mergers; None: no DeepStack
+    # Preprocessing and hand-off.
+    video_sampling: Literal["qwen2", "qwen3"] = "qwen2"  # qwen-vl-utils' rules or Qwen3VLVideoProcessor's
+    video: bool = True  # the model takes videos
+    video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
+    # transformers' class of the whole model (what save_pretrained writes; the reference in tests and bench)
+    hf_class: str = ""
+    # The tower class; a family with parts of its own gives a subclass of models.tower.QwenTower.
+    tower: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)  # what a family's own tower class reads
+
+    def derive(self, **changes: Any) -> Family:
+        """This family with `changes`: how a relative is described."""
+        return replace(self, **changes)
+
+    def vision_config(self, config: Any) -> Any:
+        """The vision config inside a whole model's config (nested: `thinker_config.vision_config`)."""
+        for name in self.config_path:
+            config = getattr(config, name)
+        return config
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    if family.model_type in FAMILIES:
+        raise ValueError(f"model_type {family.model_type!r} is registered twice")
+    FAMILIES[family.model_type] = family
+    return family
