@@ -150,7 +150,15 @@ class CacheCollector(Collector):
         if data.get("storage") is not None:
             writes.add_metric([], data["storage"]["writes"])
             errors.add_metric([], data["storage"]["write_errors"])
-        yield from (hits, misses, evictions, size, items, writes, errors)
+        fetches = CounterMetricFamily("vitserve_encoder_cache_fetches", "GET /v1/encoder_cache/{id} by result (miss: "
+                                      "the id is unknown or its output was evicted before the LLM server asked)",
+                                      labels=["result"])
+        for result, n in sorted(data.get("fetches", {}).items()):
+            fetches.add_metric([result], n)
+        coalesced = CounterMetricFamily("vitserve_cache_coalesced", "Items that waited for an identical item "
+                                        "being encoded for another request instead of encoding it again")
+        coalesced.add_metric([], data.get("coalesced", 0))
+        yield from (hits, misses, evictions, size, items, writes, errors, fetches, coalesced)
 
 
 class Metrics:

@@ -130,6 +130,16 @@ class ServeSettings(BaseModel):
                              "8 GiB)", default=8 * GIB, ge=0)
     cache_bytes: int = flag("host memory (in /dev/shm) of the encoder-output cache, keyed by content id; 0: no cache "
                             "(default 1 GiB)", default=GIB, ge=0)
+    cache_hold_s: float = flag("seconds an output answered by reference (vllm_ref without --ec-shared-storage) is kept "
+                               "for the LLM server's fetch, past --cache-bytes up to twice it (default 120)",
+                               default=120.0, ge=0)
+    llm_url: str | None = flag("base URL of an OpenAI-compatible LLM server (vLLM): serve /v1/chat/completions and "
+                               "/v1/models in front of it, media parts encoded here (default none)", default=None)
+    replicas: list[str] = flag("comma list of the base URLs of every vitserve replica the LLM server's connector "
+                               "fetches from (its 'urls'): the proxy sends each item to the replica its id picks "
+                               "(default: this server alone)", default_factory=list)
+    advertise_url: str | None = flag("this server's URL as it appears in --replicas: its items are encoded in "
+                                     "process (default: every item goes over HTTP)", default=None)
     video_chunking: bool = flag("on | off (default off): serve videos longer than --t-capture as exact chunks of "
                                 "t_capture temporal patches through graphs instead of eagerly", default=False,
                                 text=True)
@@ -167,6 +177,11 @@ class ServeSettings(BaseModel):
             return None
         return value
 
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _urls(cls, value: Any) -> Any:
+        return [str(u).strip().rstrip("/") for u in (_split_list(value) or []) if str(u).strip()]
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _hosts(cls, value: Any) -> Any:
@@ -178,7 +193,7 @@ class ServeSettings(BaseModel):
     def _level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("api_key", "served_model_name", "ec_shared_storage", mode="before")
+    @field_validator("api_key", "served_model_name", "ec_shared_storage", "llm_url", "advertise_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
@@ -213,6 +228,8 @@ class ServeSettings(BaseModel):
                              "per engine")
         if self.allow_url and not self.allowed_hosts:
             raise ValueError("--allow-url needs --allowed-hosts (VITSERVE_ALLOWED_HOSTS): a list of host names")
+        if self.advertise_url and self.advertise_url.rstrip("/") not in self.replicas:
+            raise ValueError(f"--advertise-url {self.advertise_url} is not one of --replicas {','.join(self.replicas)}")
         if self.max_header_line_bytes > self.max_header_bytes:
             raise ValueError(f"--max-header-line-bytes {self.max_header_line_bytes} is over --max-header-bytes "
                              f"{self.max_header_bytes}")

@@ -167,10 +167,10 @@ def test_storage_failures_leave_nothing(tmp_path, monkeypatch, code, status, nam
     store = ECSharedStorage(tmp_path)
     store.check()
 
-    def failing_fsync(fd: int) -> None:
+    def failing_write(fd: int, buffers: object) -> int:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(ec_storage.os, "fsync", failing_fsync)
+    monkeypatch.setattr(ec_storage.os, "writev", failing_write)
     with pytest.raises(StorageError) as err:
         store.write("new-item", torch.zeros(4, 4))
     assert (err.value.status, err.value.code) == (status, name)

@@ -182,26 +182,20 @@ def test_another_model_never_takes_a_file(cached, tmp_path):
         assert f.metadata()["model"] == "tiny-qwen2-vl" and f.get_tensor(TENSOR_KEY).shape[1] == 96
 
 
-def test_vllm_ref_needs_the_shared_folder():
-    with ServerThread(settings()) as srv, srv.client() as c:
-        r = c.post("/encode", json={"items": [{"type": "image", "image": b64(PNG)}], "encoding_format": "vllm_ref"})
-    assert r.status_code == 422 and r.json()["error"]["code"] == "storage_not_configured"
-
-
 def test_a_full_disk_is_a_507_and_leaves_nothing(tmp_path, monkeypatch):
     store = tmp_path / "ec"
     with ServerThread(settings(ec_shared_storage=str(store), cache_bytes=1 << 20)) as srv, srv.client() as c:
-        real_fsync = os.fsync
+        real_writev = os.writev
 
-        def full(fd: int) -> None:
+        def full(fd: int, buffers: object) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(ec_storage.os, "fsync", full)
+        monkeypatch.setattr(ec_storage.os, "writev", full)
         r = c.post("/encode", json={"items": [{"type": "image", "image": b64(PNG)}], "encoding_format": "vllm_ref"})
         assert r.status_code == 507
         assert r.json()["error"]["type"] == "insufficient_storage" and "full" in r.json()["error"]["message"]
         assert list(store.iterdir()) == []
-        monkeypatch.setattr(ec_storage.os, "fsync", real_fsync)
+        monkeypatch.setattr(ec_storage.os, "writev", real_writev)
         r = c.post("/encode", json={"items": [{"type": "image", "image": b64(PNG)}], "encoding_format": "vllm_ref"})
         assert r.status_code == 200 and r.headers["x-vitserve-cache-hits"] == "1"  # the output had been cached
         assert metrics(srv.url)["vitserve_ec_storage_write_errors_total"] == 1

@@ -7,10 +7,16 @@ embedding and DeepStack levels side by side), kept instead of unlinked, so a hit
 worker processes encode the response straight from it. Entries are evicted least recently used first
 once their bytes pass the bound; an entry in use by a response being encoded is unlinked only once that
 response is done. Everything here runs on the event loop.
+
+An entry answered by reference (`vllm_ref` without a shared folder: the LLM server fetches the tensor from
+`GET /v1/encoder_cache/{id}` later) is held: eviction passes it over for `hold_s` seconds after its last
+answer, so that the fetch that follows finds it. Held entries may take the cache past its bound, up to
+`HELD_FACTOR` times it; past that even held entries go, oldest first, and the fetch that misses is counted.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +26,8 @@ from service.engine.types import OutputRef
 
 # Per-entry bookkeeping beyond the rows (the dict slot, the entry object, its small metadata).
 ENTRY_OVERHEAD = 512
+# Held entries (answered by reference, not fetched yet) may take the cache up to this many times its bound.
+HELD_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -37,13 +45,16 @@ class CachedOutput:
 
 
 class EncoderCache:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, hold_s: float = 0.0) -> None:
         self.max_bytes = max_bytes
+        self.hold_s = hold_s
         self._entries: OrderedDict[str, CachedOutput] = OrderedDict()
+        self._held: dict[str, float] = {}  # key -> monotonic time its hold ends
         self._pins: Counter[str] = Counter()  # segment -> responses reading it now
         self._doomed: set[str] = set()  # evicted while pinned: unlinked when the last reader is done
         self.bytes = 0
         self.evictions = 0
+        self.held_evictions = 0  # held entries evicted all the same (the cache at HELD_FACTOR x its bound)
 
     @property
     def enabled(self) -> bool:
@@ -60,6 +71,10 @@ class EncoderCache:
             self._pins[entry.output.segment] += 1
         return entry
 
+    def peek(self, key: str) -> CachedOutput | None:
+        """The entry, unpinned and without refreshing it (a lookup that reads nothing)."""
+        return self._entries.get(key)
+
     def put(self, key: str, entry: CachedOutput) -> bool:
         """Keep `entry` (its segment now belongs to the cache, pinned once for the response that made it);
         False when it cannot be kept (larger than the bound, or the key is taken): the caller keeps it."""
@@ -68,12 +83,41 @@ class EncoderCache:
         self._entries[key] = entry
         self.bytes += entry.nbytes
         self._pins[entry.output.segment] += 1
-        while self.bytes > self.max_bytes:
-            _, gone = self._entries.popitem(last=False)
-            self.bytes -= gone.nbytes
-            self.evictions += 1
-            self._drop(gone.output.segment)
+        self._evict(keep=key)
         return True
+
+    def hold(self, key: str) -> None:
+        """`key` was answered by reference: spare it from eviction for `hold_s` seconds from now."""
+        if key in self._entries and self.hold_s > 0:
+            self._held[key] = time.monotonic() + self.hold_s
+
+    def _evict(self, keep: str) -> None:
+        """Least recently used first down to the bound, passing over held entries (and `keep`, the entry
+        just put) unless the cache is past HELD_FACTOR times its bound."""
+        if self.bytes <= self.max_bytes:
+            return
+        now = time.monotonic()
+        for key in [k for k, until in self._held.items() if until <= now]:
+            del self._held[key]
+        for key in list(self._entries):
+            if self.bytes <= self.max_bytes:
+                return
+            if key == keep or key in self._held:
+                continue
+            self._remove(key)
+        for key in list(self._entries):  # only held entries are left over the bound
+            if self.bytes <= self.max_bytes * HELD_FACTOR:
+                return
+            if key != keep:
+                self.held_evictions += 1
+                self._remove(key)
+
+    def _remove(self, key: str) -> None:
+        gone = self._entries.pop(key)
+        self._held.pop(key, None)
+        self.bytes -= gone.nbytes
+        self.evictions += 1
+        self._drop(gone.output.segment)
 
     def pin(self, segment: str) -> None:
         """One more response reads `segment` (an item repeated within a request)."""
@@ -101,6 +145,7 @@ class EncoderCache:
         for entry in list(self._entries.values()):
             self._drop(entry.output.segment)
         self._entries.clear()
+        self._held.clear()
         self.bytes = 0
 
     def close(self) -> None:
@@ -115,4 +160,4 @@ class EncoderCache:
 
     def stats(self) -> dict[str, int]:
         return {"max_bytes": self.max_bytes, "bytes": self.bytes, "items": len(self._entries),
-                "evictions": self.evictions}
+                "evictions": self.evictions, "held": len(self._held), "held_evictions": self.held_evictions}

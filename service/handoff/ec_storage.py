@@ -6,11 +6,14 @@ item's merged tokens [tokens, hidden] as the language model consumes them, so Qw
 follow the main embedding along the hidden dimension. It checks no shape: rows past the placeholder's
 length are cut silently. The identifier is the media's `uuid` only under conditions (docs/sidecar.md).
 
-Writes are atomic and durable: a temporary file in the target folder, fsync, a rename over the target and
-an fsync of the folder, so a reader never sees a partial file; the file's mode is what the operator's
-umask gives a new file (0644 under the usual 022), so an LLM server running as another user can read it. A
-full disk raises `StorageError` (507) and leaves nothing behind; any other failure to write raises it as
-503.
+Writes are atomic: a temporary file in the target folder, renamed over the target, so a reader never sees
+a partial file. They are not made durable (no fsync) unless `durable`: a file is a cache entry whose
+metadata vitserve checks before serving it, vLLM reads it moments after from the page cache, and an fsync
+put the disk's flush on every request's path (a crash's torn file fails the check and is written again).
+The file is written with one `writev` of its header and the rows, without a serialised copy. Its mode is
+what the operator's umask gives a new file (0644 under the usual 022), so an LLM server running as another
+user can read it. A full disk raises `StorageError` (507) and leaves nothing behind; any other failure to
+write raises it as 503.
 
 vLLM never deletes these files. With `max_bytes` the folder is trimmed oldest first (by modification
 time; a cache hit refreshes it) after each write, sparing entries younger than `grace_s` (a consumer may
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from service.handoff.content_id import process_umask
 
@@ -78,11 +81,12 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 
 class ECSharedStorage:
-    def __init__(self, root: Path | str, max_bytes: int = 0, grace_s: float = 60.0) -> None:
+    def __init__(self, root: Path | str, max_bytes: int = 0, grace_s: float = 60.0, durable: bool = False) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.grace_s = grace_s
         self.file_mode = 0o644
+        self.durable = durable
         self._lock = threading.Lock()
         self._index: dict[str, tuple[int, float]] = {}  # uuid -> (bytes, mtime)
         self._writing: set[str] = set()
@@ -144,13 +148,21 @@ class ECSharedStorage:
 
     # ---- writing -----------------------------------------------------------------------------
     def write(self, item_id: str, tensor: torch.Tensor, metadata: dict[str, str] | None = None) -> Path:
-        """Temp file in the target folder, fsync, rename over the target, fsync the folder; then trim."""
+        """The tensor as `ec_cache` in the folder's file for `item_id` (see `write_parts`)."""
+        t = tensor.detach().contiguous().cpu()
+        head = safetensors_head(SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), t.numel() * t.element_size(),
+                                {"format": "pt", **(metadata or {})})
+        return self.write_parts(item_id, [head, memoryview(t.view(-1).view(torch.uint8).numpy())])
+
+    def write_parts(self, item_id: str, parts: list[bytes | memoryview]) -> Path:
+        """A whole file's bytes (`safetensors_head` then the rows) to a temp file in the target folder, renamed
+        over the target; then trim."""
         target = self.path_for(item_id)
-        data = save({TENSOR_KEY: tensor.detach().contiguous().cpu()}, metadata={"format": "pt", **(metadata or {})})
+        size = sum(len(b) for b in parts)
         with self._lock:
             self._writing.add(item_id)
         try:
-            self._write_file(target, data)
+            self._write_file(target, parts)
         except OSError as exc:
             self.write_errors += 1
             if exc.errno in _FULL:
@@ -164,11 +176,18 @@ class ECSharedStorage:
                 self._writing.discard(item_id)
         with self._lock:
             self.writes += 1
-            self._set(item_id, len(data), time.time())
+            self._set(item_id, size, time.time())
             self._trim(keep=item_id)
         return target
 
-    def _write_file(self, target: Path, data: bytes) -> None:
+    def read_bytes(self, item_id: str) -> bytes | None:
+        """The file for `item_id` as it is, or None."""
+        try:
+            return self.path_for(item_id).read_bytes()
+        except (OSError, ValueError):
+            return None
+
+    def _write_file(self, target: Path, parts: list[bytes | memoryview]) -> None:
         folder = target.parent
         for attempt in range(2):  # the trim may remove an old empty folder between mkdir and mkstemp
             made = not folder.exists()
@@ -182,16 +201,17 @@ class ECSharedStorage:
             try:
                 with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), self.file_mode)  # mkstemp makes 0600: the consumer may be another user
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    _write_all(f.fileno(), parts)
+                    if self.durable:
+                        os.fsync(f.fileno())
                 os.replace(tmp, target)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 if made:
                     _rmdir_quietly(folder)
                 raise
-            _fsync_dir(folder)
+            if self.durable:
+                _fsync_dir(folder)
             return
 
     # ---- the bound ---------------------------------------------------------------------------
@@ -262,6 +282,26 @@ class ECSharedStorage:
             return {"path": str(self.root), "max_bytes": self.max_bytes, "bytes": self.bytes,
                     "items": len(self._index), "writes": self.writes, "evictions": self.evictions,
                     "write_errors": self.write_errors, "file_mode": oct(self.file_mode)}
+
+
+def safetensors_head(dtype: str, shape: tuple[int, ...], nbytes: int, metadata: dict[str, str]) -> bytes:
+    """A safetensors file's first bytes for one tensor `ec_cache` whose `nbytes` raw bytes follow: the
+    header's length (u64, little endian), then its JSON padded with spaces to 8 bytes, as safetensors writes it."""
+    doc = {"__metadata__": metadata, TENSOR_KEY: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, nbytes]}}
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") for b in parts if len(b)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 def _rmdir_quietly(folder: Path) -> None:

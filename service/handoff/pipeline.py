@@ -10,6 +10,8 @@ For each request the HTTP layer hands its items here instead of straight to the 
 3. the rest go to the engine; their outputs are cached;
 4. with `--ec-shared-storage`, each item that needs a file there gets one before the response is sent
    (`vllm_ref`: every item; other formats: items with an `id`), unless a valid one is there already.
+   Without it, `vllm_ref` items are held in the cache for the LLM server to fetch
+   (`GET /v1/encoder_cache/{uuid}`, `encoder_cache_body`).
 
 The uuid vLLM gets is the item's `id` when it has one, else its content id. Results point at shared-memory
 segments; `release` hands them back (to the cache, or unlinked) once the response is encoded.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -30,7 +32,7 @@ from service import shm
 from service.engine.types import ItemResult, MediaItem, ModelInfo, OutputRef, RequestRejected
 from service.handoff.cache import CachedOutput, EncoderCache
 from service.handoff.content_id import checkpoint_fingerprint, content_id, model_identity
-from service.handoff.ec_storage import SAFETENSORS_DTYPES, ECSharedStorage, StoredHeader
+from service.handoff.ec_storage import SAFETENSORS_DTYPES, ECSharedStorage, StoredHeader, id_problem, safetensors_head
 from service.handoff.vllm import VLLM_FORMATS
 from service.settings import ServeSettings
 from service.version import VERSION
@@ -40,18 +42,22 @@ Run = Callable[[list[MediaItem]], Awaitable[list[ItemResult]]]
 InPool = Callable[..., Awaitable[Any]]
 # The response fields of a video's meta, and what vLLM's parts are built from: all a stored file keeps.
 STORED_META = ("timestamps", "second_per_grid_ts", "fps", "frame_indices", "video_fps")
+# Client ids (an item's `id`) kept as names of content ids for `GET /v1/encoder_cache/{id}`, newest last.
+MAX_ALIASES = 1 << 16
 
 
 class Handoff:
     def __init__(self, settings: ServeSettings, names: shm.SegmentNames) -> None:
         self.settings = settings
         self.names = names  # for the segments of outputs read back from the shared folder
-        self.cache = EncoderCache(settings.cache_bytes)
+        self.cache = EncoderCache(settings.cache_bytes, settings.cache_hold_s)
         self.storage = (ECSharedStorage(settings.ec_shared_storage, settings.ec_max_bytes)
                         if settings.ec_shared_storage else None)
         self._identity: tuple[int, str] | None = None  # (id of the ModelInfo it was made for, identity)
         self.hits = {"memory": 0, "storage": 0}
         self.misses = 0
+        self.aliases: OrderedDict[str, str] = OrderedDict()  # client id -> content id (vllm_ref, no folder)
+        self.fetches = {"hit": 0, "miss": 0}  # GET /v1/encoder_cache/{id}
 
     def start(self) -> None:
         if self.storage is not None:
@@ -88,9 +94,10 @@ class Handoff:
     async def encode(self, items: Sequence[MediaItem], fmt: str, model: ModelInfo, run: Run,
                      in_pool: InPool) -> list[ItemResult]:
         """Results in item order; `run` sends items to the engine, `in_pool` runs blocking work off the loop."""
-        if fmt == "vllm_ref" and self.storage is None:
-            raise RequestRejected("encoding_format vllm_ref writes each item to the shared encoder-cache folder, "
-                                  "and this server runs without --ec-shared-storage", "storage_not_configured")
+        if fmt == "vllm_ref" and self.storage is None and not self.cache.enabled:
+            raise RequestRejected("encoding_format vllm_ref keeps each item for the LLM server to fetch, in the "
+                                  "encoder-output cache or the shared encoder-cache folder, and this server runs with "
+                                  "--cache-bytes 0 and without --ec-shared-storage", "storage_not_configured")
         if not self.active(fmt):
             return await run(list(items))
         identity = self.identity(model)
@@ -140,6 +147,8 @@ class Handoff:
             for s in source:
                 if s is not None:
                     self.hits["storage" if s == "storage" else "memory"] += 1
+            if fmt == "vllm_ref":
+                self._hold(items, cids, uuids)
             if self.storage is not None:
                 todo: dict[str, tuple[str, CachedOutput]] = {}
                 for i, it in enumerate(items):
@@ -151,6 +160,25 @@ class Handoff:
             self.release([r for r in results if r is not None])
             raise
         return results  # type: ignore[return-value]
+
+    def _hold(self, items: Sequence[MediaItem], cids: list[str], uuids: list[str]) -> None:
+        """Answered by reference: each output stays for the LLM server's fetch (`EncoderCache.hold`), under its
+        uuid too where a client id names it. Without a folder, an output the cache cannot keep (larger than
+        --cache-bytes) cannot be answered by reference."""
+        for it, cid, uuid in zip(items, cids, uuids):
+            if self.cache.peek(cid) is None:
+                if self.storage is None:
+                    raise RequestRejected(f"item {it.index}: its output is larger than --cache-bytes "
+                                          f"({self.cache.max_bytes} bytes), so it cannot be kept for the LLM server "
+                                          "to fetch: raise --cache-bytes, or use --ec-shared-storage",
+                                          "too_large_for_cache")
+                continue
+            self.cache.hold(cid)
+            if uuid != cid:
+                self.aliases[uuid] = cid
+                self.aliases.move_to_end(uuid)
+                while len(self.aliases) > MAX_ALIASES:
+                    self.aliases.popitem(last=False)
 
     def _keep(self, cid: str, entry: CachedOutput) -> CachedOutput:
         """Into the cache when it takes it (the segment is then the cache's, pinned for this response)."""
@@ -215,32 +243,68 @@ class Handoff:
         return found
 
     def _store(self, todo: dict[str, tuple[str, CachedOutput]], identity: str, model: ModelInfo) -> None:
-        from service.workers.jobs import load_rows
-
         assert self.storage is not None
         for uuid, (cid, entry) in todo.items():
             if self._valid(self.storage.header(uuid), cid, identity, model):
                 self.storage.touch(uuid)
                 continue
-            meta = {k: _plain(entry.meta[k]) for k in STORED_META if k in entry.meta}
-            self.storage.write(uuid, load_rows(entry.output), {
-                "producer": f"vitserve {VERSION}",
-                "model": self.settings.model_name,
-                "model_identity": identity,
-                "content_id": cid,
-                "modality": entry.modality,
-                "grid_thw": json.dumps(list(entry.grid_thw)),
-                "num_patches": str(entry.num_patches),
-                "num_tokens": str(entry.num_tokens),
-                "out_hidden_size": str(model.out_hidden_size),
-                "deepstack_layers": str(model.num_deepstack),
-                "meta": json.dumps(meta, separators=(",", ":")),
-            })
+            self.storage.write_parts(uuid, [self.file_body(cid, entry, identity, model)])
+
+    def file_metadata(self, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> dict[str, str]:
+        """What a stored file says of its tensor: `_valid` checks it before the file is served again."""
+        meta = {k: _plain(entry.meta[k]) for k in STORED_META if k in entry.meta}
+        return {
+            "format": "pt",
+            "producer": f"vitserve {VERSION}",
+            "model": self.settings.model_name,
+            "model_identity": identity,
+            "content_id": cid,
+            "modality": entry.modality,
+            "grid_thw": json.dumps(list(entry.grid_thw)),
+            "num_patches": str(entry.num_patches),
+            "num_tokens": str(entry.num_tokens),
+            "out_hidden_size": str(model.out_hidden_size),
+            "deepstack_layers": str(model.num_deepstack),
+            "meta": json.dumps(meta, separators=(",", ":")),
+        }
+
+    def file_body(self, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> bytearray:
+        """The whole safetensors file of `entry` (one tensor `ec_cache`, the rows in the served dtype), read
+        straight from its segment behind the header: one copy of the rows."""
+        ref = entry.output
+        head = safetensors_head(SAFETENSORS_DTYPES[getattr(torch, ref.dtype)], (ref.rows, ref.width), ref.nbytes,
+                                self.file_metadata(cid, entry, identity, model))
+        body = bytearray(len(head) + ref.nbytes)
+        body[:len(head)] = head
+        if ref.nbytes:
+            shm.read_into(ref.segment, np.frombuffer(body, np.uint8, ref.nbytes, len(head)))
+        return body
+
+    # ---- GET /v1/encoder_cache/{id} ------------------------------------------------------------
+    def encoder_cache_entry(self, item_id: str) -> tuple[str, CachedOutput] | None:
+        """(content id, entry) the LLM server asks for by `item_id` (a content id, or a client id given with a
+        vllm_ref item), pinned (`release_entry`), or None."""
+        cid = self.aliases.get(item_id, item_id)
+        entry = self.cache.get(cid) if self.cache.enabled else None
+        return None if entry is None else (cid, entry)
+
+    def release_entry(self, entry: CachedOutput) -> None:
+        self.cache.unpin(entry.output.segment)
+
+    def stored_file(self, item_id: str) -> bytes | None:
+        """The shared folder's file for `item_id` as it is (the server's thread pool), or None."""
+        if self.storage is None or id_problem(item_id):
+            return None
+        return self.storage.read_bytes(item_id)
+
+    def count_fetch(self, found: bool) -> None:
+        self.fetches["hit" if found else "miss"] += 1
 
     # ---- reporting ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {"hits": dict(self.hits), "misses": self.misses, "memory": self.cache.stats(),
-                "storage": self.storage.stats() if self.storage is not None else None}
+                "storage": self.storage.stats() if self.storage is not None else None,
+                "fetches": dict(self.fetches)}
 
     def info(self) -> dict[str, Any]:
         """/info: the cache's settings and counters."""

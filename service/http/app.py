@@ -28,7 +28,7 @@ from service.engine.core import Engine
 from service.engine.types import EngineError, ItemResult, NotReady
 from service.handoff.ec_storage import StorageError
 from service.handoff.pipeline import Handoff
-from service.http import docs, encoders
+from service.http import docs, encoder_cache, encoders
 from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large, validation_error
 from service.http.fronts import FrontRole, ask_siblings, merge_expositions
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
@@ -383,6 +383,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
         return JSONResponse({"version": VERSION, **engine.info(), "cache": service.handoff.info(),
                              "settings": settings.public_dict(), **fronts})
 
+    encoder_cache.install(app, service, front)
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
             return app.openapi_schema
@@ -393,7 +395,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js
         if settings.api_key is not None:
-            docs.add_bearer_auth(schema, {"/encode": "post", "/info": "get"})
+            docs.add_bearer_auth(schema, {"/encode": "post", "/info": "get", "/v1/encoder_cache/{item_id}": "get"})
         app.openapi_schema = schema
         return schema
 

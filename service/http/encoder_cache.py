@@ -1,0 +1,99 @@
+"""`GET /v1/encoder_cache/{id}`: an encoder output the LLM server fetches by the uuid a `vllm_ref` part gave it.
+
+The body is the safetensors file the shared encoder-cache folder would hold for that id (one tensor
+`ec_cache`, the rows in the served dtype, the same metadata), built from the encoder-output cache where the
+output is held (`Handoff.encoder_cache_entry`), else the folder's file as it is (`--ec-shared-storage`).
+An unknown id is a 404, counted (`vitserve_encoder_cache_fetches_total{result="miss"}`): a miss means the
+LLM server asked after the output left the cache (raise --cache-bytes or --cache-hold-s). The API key
+applies. With several fronts, an id another front answered is asked of its siblings over their Unix sockets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request, Response
+
+from service.handoff.ec_storage import id_problem
+from service.http.errors import ApiError
+from service.http.fronts import SIBLING_TIMEOUT_S, FrontRole
+from service.http.responses import PartsResponse
+
+if TYPE_CHECKING:
+    from service.http.app import Service
+
+SAFETENSORS = "application/vnd.safetensors"
+# A body up to this size is read from its segment on the event loop: one pread, cheaper than a thread's
+# round trip (a 448x448 image's 1.8 MB in about 0.1 ms).
+READ_HERE_BYTES = 4 << 20
+
+
+def install(app: FastAPI, service: Service, front: FrontRole | None) -> None:
+    @app.get("/v1/encoder_cache/{item_id}", summary="An encoder output by its uuid, as a safetensors file",
+             response_class=Response, responses={
+                 200: {"content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
+                       "description": "one tensor, ec_cache: [tokens, hidden x (1 + DeepStack levels)]"},
+                 401: {"description": "API key missing or wrong"},
+                 404: {"description": "no output under this id (never made, or evicted)"}})
+    async def encoder_cache(item_id: str, request: Request, scope: str = "server") -> Response:
+        started = time.perf_counter()
+        try:
+            service.check_auth(request)
+            body = await local_body(service, item_id)
+            if body is None and front is not None and front.count > 1 and scope != "front":
+                body = await sibling_body(front, item_id, request.headers.get("authorization"))
+            if scope != "front":
+                service.handoff.count_fetch(body is not None)
+            if body is None:
+                raise ApiError(404, "not_found", f"no encoder output under id {item_id!r}: never made here, or "
+                                                 "evicted before it was fetched (--cache-bytes, --cache-hold-s)",
+                               "unknown_id")
+            response: Response = PartsResponse([body], SAFETENSORS, {})
+        except ApiError as exc:
+            response = exc.response()
+        response.headers["server-timing"] = f"encoder_cache;dur={(time.perf_counter() - started) * 1000:.3f}"
+        return response
+
+
+async def local_body(service: Service, item_id: str) -> bytes | bytearray | None:
+    if id_problem(item_id):
+        return None
+    handoff = service.handoff
+    model = service.engine.model
+    found = handoff.encoder_cache_entry(item_id) if model is not None else None
+    if found is not None:
+        cid, entry = found
+        try:
+            identity = handoff.identity(model)  # type: ignore[arg-type]
+            if entry.output.nbytes <= READ_HERE_BYTES:
+                return handoff.file_body(cid, entry, identity, model)  # type: ignore[arg-type]
+            return await service.run_in_pool(handoff.file_body, cid, entry, identity, model)
+        finally:
+            handoff.release_entry(entry)
+    if handoff.storage is not None:
+        return await service.run_in_pool(handoff.stored_file, item_id)
+    return None
+
+
+async def sibling_body(front: FrontRole, item_id: str, authorization: str | None) -> bytes | None:
+    import asyncio
+
+    import httpx
+
+    headers = {"authorization": authorization} if authorization else {}
+
+    async def one(socket_path: str) -> bytes | None:
+        try:
+            async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path),
+                                         timeout=SIBLING_TIMEOUT_S) as client:
+                r = await client.get(f"http://front/v1/encoder_cache/{item_id}", params={"scope": "front"},
+                                     headers=headers)
+        except (httpx.HTTPError, OSError):
+            return None
+        return r.content if r.status_code == 200 else None
+
+    for body in await asyncio.gather(*(one(path) for _, path in front.siblings)):
+        if body is not None:
+            return body
+    return None
