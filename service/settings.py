@@ -29,7 +29,7 @@ from models.presets import DEFAULT_MODEL
 ENV_PREFIX = "VITSERVE_"
 MIB = 1024 * 1024
 GIB = 1024 * MIB
-# Values of --video-chunking that mean "off" (the helm chart leaves the variable out for null).
+# Values of VITSERVE_VIDEO_CHUNKING that mean off / on (the helm chart leaves the variable out for null).
 CHUNKING_OFF = {"", "off", "none", "false", "0"}
 CHUNKING_ON = {"on", "true", "1", "yes"}
 
@@ -63,10 +63,10 @@ class SettingsError(ValueError):
     """Settings the server cannot start with; the message names the flag and its variable."""
 
 
-def flag(help: str, text: bool = False, **kwargs: Any) -> Any:
-    """A setting that is also a `vitserve serve` flag: `help` is its --help text, which names its default;
-    `text`: the flag takes its value as written (on/off) even where the setting is a switch."""
-    return Field(description=help, json_schema_extra={"text": True} if text else None, **kwargs)
+def flag(help: str, **kwargs: Any) -> Any:
+    """A setting that is also a `vitserve serve` flag: `help` is its --help text, which names its default.
+    A bool setting is a switch: `--x` / `--no-x` on the command line."""
+    return Field(description=help, **kwargs)
 
 
 class ServeSettings(BaseModel):
@@ -88,8 +88,8 @@ class ServeSettings(BaseModel):
                           pattern="^(auto|varlen|cudnn|sdpa)$")
     served_model_name: str | None = flag("model name reported by the API (default: --model)", default=None)
     max_batch_tokens: int = flag("token budget of the largest batch and graph (default 16384)", default=16384, ge=1)
-    budgets: list[int] | None = flag("comma list of graph token budgets, or auto (default: powers of two up to "
-                                     "--max-batch-tokens)", default=None)
+    budgets: list[int] | None = flag("graph token budgets, separated by commas or spaces, or auto (default: powers "
+                                     "of two up to --max-batch-tokens)", default=None)
     t_capture: int = flag("temporal patches per video slot captured in graphs (default 8)", default=8, ge=1)
     gpu_memory: str | None = flag("device memory the server may use, in bytes (4GiB, 4096MiB) or as a fraction of "
                                   "the device (0.5); the graph budgets shrink to fit (default: no bound)", default=None)
@@ -120,7 +120,8 @@ class ServeSettings(BaseModel):
     worker_max_rss_mib: int = flag("a worker whose memory passes this while it works on an item is killed, and the "
                                    "item refused (default 4096)", default=4096, ge=64)
     allow_url: bool = flag("fetch http(s) media URLs whose host is in --allowed-hosts (default off)", default=False)
-    allowed_hosts: list[str] = flag("comma list of hosts URLs may name (*.example.com allowed; default none)",
+    allowed_hosts: list[str] = flag("hosts URLs may name, separated by commas or spaces (*.example.com allowed; "
+                                    "default none)",
                                     default_factory=list)
     url_timeout_s: float = flag("total time to fetch one URL (default 10)", default=10.0, gt=0)
     ec_shared_storage: Path | None = flag("folder shared with vLLM's encoder-cache connector: vllm_ref items, and "
@@ -135,14 +136,13 @@ class ServeSettings(BaseModel):
                                default=120.0, ge=0)
     llm_url: str | None = flag("base URL of an OpenAI-compatible LLM server (vLLM): serve /v1/chat/completions and "
                                "/v1/models in front of it, media parts encoded here (default none)", default=None)
-    replicas: list[str] = flag("comma list of the base URLs of every vitserve replica the LLM server's connector "
+    replicas: list[str] = flag("the base URLs (commas or spaces) of every vitserve replica the LLM server's connector "
                                "fetches from (its 'urls'): the proxy sends each item to the replica its id picks "
                                "(default: this server alone)", default_factory=list)
     advertise_url: str | None = flag("this server's URL as it appears in --replicas: its items are encoded in "
                                      "process (default: every item goes over HTTP)", default=None)
-    video_chunking: bool = flag("on | off (default off): serve videos longer than --t-capture as exact chunks of "
-                                "t_capture temporal patches through graphs instead of eagerly", default=False,
-                                text=True)
+    video_chunking: bool = flag("serve videos longer than --t-capture as exact chunks of t_capture temporal "
+                                "patches through graphs instead of eagerly (default off)", default=False)
     data_parallel: int | Literal["auto"] = flag("engines, one per GPU, each in its own process: a number, or auto "
                                                 "for every visible GPU (default 1)", default=1)
     fronts: int | Literal["auto"] = flag("HTTP front processes sharing the port: 1 (every engine behind one), or one "
@@ -153,7 +153,8 @@ class ServeSettings(BaseModel):
     # (service/http/protocol.py): 431, 408 or 503, and the connection closed.
     max_header_bytes: int = flag("request line and headers together, 431 above (default 65536)", default=64 * 1024,
                                  ge=1024)
-    max_header_line_bytes: int = flag("the request target, or one header field, 431 above (default 8192)",
+    max_header_line_bytes: int = flag("the request target (414 above) or one header field (431 above) "
+                                      "(default 8192)",
                                       default=8 * 1024, ge=256)
     max_header_fields: int = flag("header fields of one request, 431 above (default 100)", default=100, ge=1)
     header_timeout_s: float = flag("time a client has to send a request's head, 408 after (default 10)",
@@ -205,7 +206,7 @@ class ServeSettings(BaseModel):
             return False
         if str(value).strip().lower() in CHUNKING_ON:
             return True
-        raise ValueError(f"--video-chunking takes on or off, got {value!r}")
+        raise ValueError(f"--video-chunking takes on or off (or true / false), got {value!r}")
 
     @field_validator("data_parallel", "fronts", mode="before")
     @classmethod

@@ -49,9 +49,7 @@ def serve_flags() -> list[tuple[str, dict[str, Any]]]:
         field = ServeSettings.model_fields[name]
         kind = field.annotation
         kwargs: dict[str, Any] = {"help": field.description}
-        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("text"):
-            pass
-        elif kind is bool:
+        if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind in (int, int | None):
             kwargs["type"] = int
