@@ -288,6 +288,17 @@ class Handoff:
         entry = self.cache.get(cid) if self.cache.enabled else None
         return None if entry is None else (cid, entry)
 
+    def holds(self, item_id: str) -> bool:
+        """Whether `GET /v1/encoder_cache/{item_id}` would find the output; one it would is held again (the
+        LLM server asks just before it fetches)."""
+        cid = self.aliases.get(item_id, item_id)
+        if self.cache.peek(cid) is not None:
+            self.cache.hold(cid)
+            return True
+        if self.storage is not None and not id_problem(item_id):
+            return self.storage.path_for(item_id).is_file()
+        return False
+
     def release_entry(self, entry: CachedOutput) -> None:
         self.cache.unpin(entry.output.segment)
 

@@ -3,6 +3,8 @@
 The body is the safetensors file the shared encoder-cache folder would hold for that id (one tensor
 `ec_cache`, the rows in the served dtype, the same metadata), built from the encoder-output cache where the
 output is held (`Handoff.encoder_cache_entry`), else the folder's file as it is (`--ec-shared-storage`).
+`POST /v1/encoder_cache/check` answers which of a list of ids would be found, and holds those again: the
+LLM server's scheduler asks it, off its loop, before it schedules the items (`service.handoff.ec_client`).
 An unknown id is a 404, counted (`vitserve_encoder_cache_fetches_total{result="miss"}`): a miss means the
 LLM server asked after the output left the cache (raise --cache-bytes or --cache-hold-s). The API key
 applies. With several fronts, an id another front answered is asked of its siblings over their Unix sockets.
@@ -14,6 +16,8 @@ import time
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from service.handoff.ec_storage import id_problem
 from service.http.errors import ApiError
@@ -29,7 +33,29 @@ SAFETENSORS = "application/vnd.safetensors"
 READ_HERE_BYTES = 4 << 20
 
 
+class CheckRequest(BaseModel):
+    ids: list[str] = Field(max_length=4096, description="uuids of vllm_ref parts")
+
+
+class CheckResponse(BaseModel):
+    present: list[bool] = Field(description="per id: GET /v1/encoder_cache/{id} would find it (it is now held)")
+
+
 def install(app: FastAPI, service: Service, front: FrontRole | None) -> None:
+    @app.post("/v1/encoder_cache/check", response_model=CheckResponse,
+              summary="Which ids GET /v1/encoder_cache/{id} would find")
+    async def check(body: CheckRequest, request: Request, scope: str = "server") -> Response:
+        try:
+            service.check_auth(request)
+        except ApiError as exc:
+            return exc.response()
+        present = [service.handoff.holds(i) for i in body.ids]
+        missing = [i for i, p in zip(body.ids, present) if not p]
+        if missing and front is not None and front.count > 1 and scope != "front":
+            found = await sibling_check(front, missing, request.headers.get("authorization"))
+            present = [p or i in found for i, p in zip(body.ids, present)]
+        return JSONResponse({"present": present})
+
     @app.get("/v1/encoder_cache/{item_id}", summary="An encoder output by its uuid, as a safetensors file",
              response_class=Response, responses={
                  200: {"content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
@@ -97,3 +123,26 @@ async def sibling_body(front: FrontRole, item_id: str, authorization: str | None
         if body is not None:
             return body
     return None
+
+
+async def sibling_check(front: FrontRole, ids: list[str], authorization: str | None) -> set[str]:
+    import asyncio
+
+    import httpx
+
+    headers = {"authorization": authorization} if authorization else {}
+
+    async def one(socket_path: str) -> set[str]:
+        try:
+            async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path),
+                                         timeout=SIBLING_TIMEOUT_S) as client:
+                r = await client.post("http://front/v1/encoder_cache/check", params={"scope": "front"},
+                                      json={"ids": ids}, headers=headers)
+            return {i for i, p in zip(ids, r.json()["present"]) if p} if r.status_code == 200 else set()
+        except (httpx.HTTPError, OSError, ValueError, KeyError):
+            return set()
+
+    found: set[str] = set()
+    for some in await asyncio.gather(*(one(path) for _, path in front.siblings)):
+        found |= some
+    return found

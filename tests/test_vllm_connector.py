@@ -1,0 +1,98 @@
+"""`VitserveConnector` judged by vLLM 0.33.0's own code, fetching from a real vitserve on loopback.
+
+vitserve (tiny Qwen3-VL, no shared folder) answers `vllm_ref` requests and serves the outputs at
+`GET /v1/encoder_cache/{id}`; tests/vllm_connector_driver.py, in vLLM's environment (VITSERVE_VLLM_PYTHON, as
+for tests/test_vllm_handoff.py), builds vLLM's consumer config with the connector's `--ec-transfer-config`,
+creates the connector through vLLM's factory and makes the scheduler's and the worker's calls. The chats it
+parses are a client's own `vllm_ref` parts and the request vitserve's OpenAI front forwarded (captured by a
+stub LLM server). About 40 s on two cores.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+from tests.checkpoints import write_vllm_model_folder
+from tests.http_helpers import ROOT, ServerThread, image_bytes, settings
+from tests.test_vllm_handoff import HOW, vllm_python
+from tests.videos import make_video
+
+MODEL = "tiny-qwen3-vl"
+IMAGES = [image_bytes(160, 120, seed=61, fmt="JPEG"), image_bytes(96, 96, seed=62, fmt="PNG")]
+VIDEO = make_video(8, fps=4, width=64, height=48)
+UNKNOWN = "vit-" + "0" * 64
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    python = vllm_python()
+    work = tmp_path_factory.mktemp("vllm-connector")
+    with ServerThread(settings(model=MODEL, cache_bytes=64 << 20, api_key="secret")) as srv, \
+            srv.client(headers={"Authorization": "Bearer secret"}) as c:
+        items = [{"type": "image", "image": base64.b64encode(IMAGES[0]).decode()},
+                 {"type": "image", "image": base64.b64encode(IMAGES[1]).decode()},
+                 {"type": "video", "video": base64.b64encode(VIDEO).decode()}]
+        r = c.post("/encode", json={"items": items, "encoding_format": "vllm_ref"})
+        assert r.status_code == 200, r.text
+        parts = [e["content_part"] for e in r.json()["data"]]
+        served = {p["uuid"]: load(c.get(f"/v1/encoder_cache/{p['uuid']}").content)["ec_cache"] for p in parts}
+        chats = [
+            {"name": "ref", "messages": [{"role": "user", "content": [{"type": "text", "text": "Describe."}, *parts]}]},
+            {"name": "unknown", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Describe."},
+                {**parts[0], "uuid": UNKNOWN}]}]},
+        ]
+        request = {"model_dir": str(write_vllm_model_folder(MODEL, work / MODEL)),
+                   "extra": {"url": srv.url, "api_key": "secret"}, "chats": chats,
+                   "tensors_out": str(work / "out.safetensors")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+        env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
+        proc = subprocess.run([python, str(ROOT / "tests" / "vllm_connector_driver.py")], input=json.dumps(request),
+                              text=True, capture_output=True, timeout=600, cwd=work, env=env)
+        if proc.returncode != 0 or not proc.stdout.strip():
+            pytest.fail(f"the connector's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        fetches = httpx.get(srv.url + "/metrics").text
+    return {"parts": parts, "served": served, "report": report, "tensors": load_file(request["tensors_out"]),
+            "metrics": fetches}
+
+
+def test_created_by_vllms_factory_and_loads_exactly_what_vitserve_serves(run):
+    case = run["report"]["chats"]["ref"]
+    assert case["ok"], case.get("error", "") + case.get("traceback", "")
+    assert case["class"] == "service.handoff.vllm_connector.VitserveConnector"
+    assert case["mm_embeds_enabled"]  # vLLM turns it on for a consumer: metadata-only parts are accepted
+    uuids = [p["uuid"] for p in run["parts"]]
+    assert [f["identifier"] for f in case["features"]] == uuids
+    assert case["ready"] and case["failed"] == [] and case["has_cache"] == [True, True, True]
+    assert case["meta_items"] == 3 and case["meta_after_reset"] == 0
+    assert case["loaded"] == sorted(uuids)
+    for f in case["features"]:
+        got = run["tensors"][f"ref.{f['identifier']}"]
+        want = run["served"][f["identifier"]]
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert got.shape[0] == f["num_embeds"]  # the placeholder is exactly as long as the output
+
+
+def test_an_unknown_id_is_not_in_the_cache_and_fails_its_request(run):
+    case = run["report"]["chats"]["unknown"]
+    assert case["ok"], case.get("error", "") + case.get("traceback", "")
+    assert case["has_cache"] == [False]
+    assert not case["ready"] and case["failed"] == ["req-unknown"]
+
+
+def test_the_connector_imports_nothing_of_the_server(run):
+    assert set(run["report"]["service_modules"]) == {"service", "service.handoff", "service.handoff.ec_client",
+                                                     "service.handoff.vllm_connector"}
