@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -40,15 +41,19 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
-def add_encode_parser(sub) -> None:
+def add_encode_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("encode", help="encode local images/videos into a safetensors file",
                        formatter_class=DefaultsHelpFormatter,
                        description="Offline batch encoding through the same graph pool the server uses. Writes "
                                    "embeds.<i>, grid_thw.<i> (and deepstack.<i>.<j>) per input, in order; the "
-                                   "file's metadata describes the inputs by file name, with the timing of videos.")
+                                   "file's metadata describes the inputs by file name, with the timing of videos. "
+                                   "Exit codes: 2 for a bad option or input, 3 for a model that cannot be loaded.")
     p.add_argument("inputs", nargs="+", type=Path, metavar="FILE", help="images and videos, sniffed from their bytes")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or preset ({', '.join(PRESETS)})")
-    p.add_argument("--output", "-o", type=Path, required=True, help="safetensors file to write")
+    p.add_argument("--output", "-o", type=Path, default=None,
+                   help="safetensors file to write (its folder must exist; an existing file is replaced), or - for "
+                        "stdout. Without it: stdout when stdout is a pipe or a file, else FIRST_INPUT_STEM.safetensors "
+                        "next to the first input")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="model dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | "
                                                    "float16 | float32")
@@ -64,6 +69,34 @@ def add_encode_parser(sub) -> None:
     p.add_argument("--stats", action="store_true", help="print the pool statistics as one JSON line at the end")
     p.add_argument("--workers", type=int, default=4, help="decode/preprocess threads")
     p.set_defaults(func=run_encode)
+    return p
+
+
+def output_target(output: Path | None, first_input: Path) -> Path | None:
+    """Where `encode` writes: a file, or None for stdout (`-o -`, or no -o with stdout redirected)."""
+    if output is not None:
+        return None if str(output) == "-" else output
+    if not sys.stdout.isatty():
+        return None
+    return first_input.with_suffix(".safetensors")
+
+
+def write_output(data: bytes, path: Path | None) -> None:
+    """The file appears whole or not at all (a temporary name, then renamed), with the mode a new file gets
+    under the umask (0644 under the usual 022), not the 0600 safetensors' own writer gives it."""
+    if path is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def input_entry(index: int, path: Path, item, merge: int) -> dict:
@@ -81,23 +114,31 @@ def input_entry(index: int, path: Path, item, merge: int) -> dict:
 
 def run_encode(args: argparse.Namespace) -> int:
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from graphs.budgets import BudgetError
     from graphs.runner import GraphRunner, plan_for
     from models import CheckpointError, load_tower
     from service.media.errors import MediaError
+    from service.preflight import EXIT_MODEL, EXIT_SETTINGS
 
     missing = [str(p) for p in args.inputs if not p.is_file()]
     if missing:
         print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
-        return 2
+        return EXIT_SETTINGS
+    target = output_target(args.output, args.inputs[0])
+    if target is not None and not target.parent.is_dir():
+        print(f"error: --output {target}: the folder {target.parent} does not exist", file=sys.stderr)
+        return EXIT_SETTINGS
     try:
         tower = load_tower(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
         plan = plan_for(tower, max_batch_tokens=args.max_batch_tokens, t_capture=args.t_capture)
-    except (CheckpointError, BudgetError, ValueError) as exc:
+    except CheckpointError as exc:  # the model, as `vitserve serve` exits for it
+        print(f"error: --model: {exc}", file=sys.stderr)
+        return EXIT_MODEL
+    except (BudgetError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_SETTINGS
 
     def prepare(path: Path):
         try:
@@ -113,7 +154,7 @@ def run_encode(args: argparse.Namespace) -> int:
     for path, exc in bad:
         print(f"error: {path}: {exc.reason} [{exc.code}]", file=sys.stderr)
     if bad:
-        return 2
+        return EXIT_SETTINGS
 
     device = next(tower.parameters()).device
     runner = GraphRunner(tower, device, plan, use_graphs=not args.eager)
@@ -135,14 +176,16 @@ def run_encode(args: argparse.Namespace) -> int:
     inputs = [input_entry(i, path, item, tower.merge) for i, (path, item) in enumerate(zip(args.inputs, items))]
     metadata = {"model": model, "family": tower.family, "dtype": args.output_dtype,
                 "inputs": json.dumps(inputs, separators=(",", ":"))}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(args.output), metadata=metadata)
+    write_output(save(tensors, metadata=metadata), target)
+    # The file goes to stdout: the report goes to stderr.
+    report = sys.stdout if target is not None else sys.stderr
     for i, (path, item) in enumerate(zip(args.inputs, items)):
         print(f"{i}\t{path}\t{item.modality}\tgrid_thw={list(item.grid_thw)}\t"
-              f"tokens={item.num_tokens(tower.merge)}\tshape={list(tensors[f'embeds.{i}'].shape)}")
-    print(f"wrote {args.output}: {len(items)} inputs in {elapsed:.2f}s", file=sys.stderr)
+              f"tokens={item.num_tokens(tower.merge)}\tshape={list(tensors[f'embeds.{i}'].shape)}", file=report)
+    print(f"wrote {target if target is not None else 'stdout'}: {len(items)} inputs in {elapsed:.2f}s",
+          file=sys.stderr)
     if args.stats:
-        print(json.dumps(runner.stats.as_dict()))
+        print(json.dumps(runner.stats.as_dict()), file=report)
     return 0
 
 
@@ -158,7 +201,7 @@ def _progress(total: int):
     return bar.update
 
 
-def add_bench_parser(sub) -> None:
+def add_bench_parser(sub) -> argparse.ArgumentParser:
     from service.bench.towers import DEFAULT_MODELS
 
     p = sub.add_parser("bench", help="engine vs transformers side by side on one GPU",
@@ -182,6 +225,7 @@ def add_bench_parser(sub) -> None:
                    help="with --http: client processes sharing each level's connections (default 1; one process "
                         "of Python client threads tops out near 500 images/s of 448x448 bf16 answers)")
     p.set_defaults(func=run_bench)
+    return p
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -208,10 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from service.http.server import add_serve_parser
 
-    add_serve_parser(sub)
-    add_encode_parser(sub)
-    add_bench_parser(sub)
-    args = parser.parse_args(argv)
+    commands = {"serve": add_serve_parser(sub), "encode": add_encode_parser(sub), "bench": add_bench_parser(sub)}
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's: that is where the flag was looked for
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command != "serve":
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

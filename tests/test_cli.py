@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,9 +15,11 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 from models import load_tower
-from service.cli import add_encode_parser
+from service.bench.http import print_summary, targets
+from service.cli import add_encode_parser, output_target
 from service.media.image_preprocess import preprocess_image_bytes
 from service.media.video_preprocess import preprocess_video_bytes
 
@@ -35,6 +38,9 @@ def test_encode_writes_embeddings_equal_to_the_tower(tmp_path):
     done = vitserve("encode", "--model", "tiny-qwen3-vl", "--stats", "-o", str(out), str(SAMPLE), str(png),
                     str(VIDEO))
     assert done.returncode == 0, done.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file (safetensors' own writer gives 0600)
     lines = done.stdout.strip().splitlines()
     assert lines[0].startswith(f"0\t{SAMPLE}\timage\tgrid_thw=") and lines[1].startswith(f"1\t{png}")
     assert lines[2].startswith(f"2\t{VIDEO}\tvideo")
@@ -83,9 +89,62 @@ def test_encode_reports_bad_inputs_by_name_without_traceback(tmp_path):
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_unknown_model_is_a_clear_error(tmp_path):
+def test_unknown_model_exits_3_as_serve_does(tmp_path):
     done = vitserve("encode", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "o.st"), str(SAMPLE))
-    assert done.returncode == 2 and "not a preset name" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 3 and "not a preset name" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_output_goes_to_a_pipe_or_next_to_the_first_input(tmp_path, monkeypatch):
+    # No -o, stdout a pipe (as here): the file itself on stdout, the report on stderr.
+    done = subprocess.run([sys.executable, "-m", "service.cli", "encode", str(SAMPLE)], capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    tensors = load_safetensors(done.stdout)
+    assert set(tensors) == {"embeds.0", "grid_thw.0"} and b"wrote stdout" in done.stderr
+    assert f"0\t{SAMPLE}\timage".encode() in done.stderr
+    # On a terminal: FIRST_INPUT_STEM.safetensors next to the first input; `-o -` is stdout anywhere.
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert output_target(None, tmp_path / "clip.mp4") == tmp_path / "clip.safetensors"
+    assert output_target(Path("-"), tmp_path / "clip.mp4") is None
+    assert output_target(tmp_path / "x.st", tmp_path / "clip.mp4") == tmp_path / "x.st"
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    assert output_target(None, tmp_path / "clip.mp4") is None
+
+
+def test_a_missing_output_folder_is_an_error_not_created(tmp_path):
+    out = tmp_path / "no" / "such" / "out.safetensors"
+    done = vitserve("encode", "-o", str(out), str(SAMPLE))
+    assert done.returncode == 2 and "does not exist" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "no").exists()
+
+
+def test_the_output_mode_follows_the_umask(tmp_path):
+    out = tmp_path / "o.safetensors"
+    done = subprocess.run([sys.executable, "-m", "service.cli", "encode", "-o", str(out), str(SAMPLE)],
+                          capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["o.safetensors"]  # no temporary file left
+
+
+def test_an_unknown_flag_shows_the_subcommands_usage():
+    done = vitserve("encode", "--frobnicate", str(SAMPLE))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "usage: vitserve encode" in done.stderr and "unrecognized arguments: --frobnicate" in done.stderr
+    done = vitserve("serve", "--frobnicate")
+    assert done.returncode == 2 and "usage: vitserve serve" in done.stderr
+
+
+def test_the_http_bench_summary_on_the_cpu_prints_no_none_and_no_verdict(capsys):
+    """A CPU server's figures check the plumbing: the GPU targets are not judged, missing figures left out."""
+    level = {"concurrency": 1, "requests": 6, "images_per_s": 3.1, "steady_images_per_s": None, "p50_ms": 310.0,
+             "p90_ms": None, "p99_ms": None, "errors": {}, "stopped_by": "requests", "elapsed_s": 1.9}
+    engine = {"images_per_s": 4.2, "batch_images": 2, "single_ms": 250.0}
+    t = targets([level], engine, judged=False)
+    assert t["throughput_ratio_met"] is None and t["latency_overhead_met"] is None
+    print_summary({"levels": [level], "engine": engine, "targets": t})
+    out = capsys.readouterr().out
+    assert "None" not in out and "missed" not in out and "not judged" in out
 
 
 def test_encode_help_gives_every_option_a_text_and_its_default():

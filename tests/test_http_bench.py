@@ -28,13 +28,16 @@ TARGET_FIELDS = {"reference", "saturation", "engine_replicas", "throughput_ratio
                  "latency_overhead_after_idle_ms"}
 
 
-def test_http_bench_on_cpu(tmp_path):
+def test_http_bench_on_cpu(tmp_path, capsys):
     out = tmp_path / "run.json"
     # Small budgets and few repetitions: a 448x448 image costs 0.1-0.5 s on this 2-core machine.
     result = http_bench.run(model="tiny-qwen2-vl", concurrency=[4, 1], requests_per_level=6, level_time_s=60,
                             max_batch_tokens=512, out=out, distinct_images=2, warmup_requests=2, single_reps=3,
                             batch_reps=1, log=lambda s: None)
     assert json.loads(out.read_text()) == result
+    summary = capsys.readouterr().out
+    assert "None" not in summary and "missed" not in summary and "not judged" in summary  # GPU targets
+    assert result["targets"]["throughput_ratio_met"] is None
     assert set(result) == {"env", "limits", "server", "workload", "engine", "levels", "targets"}
     assert out.with_suffix(".server.log").is_file()
 

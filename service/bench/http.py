@@ -60,9 +60,11 @@ THROUGHPUT_TARGET = 0.95  # HTTP images/s at saturation over engine-only images/
 LATENCY_TARGET_MS = 2.0  # p50 at concurrency 1 minus engine-only single-image latency, at most
 
 
-def targets(levels: list[dict[str, Any]], engine: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
+def targets(levels: list[dict[str, Any]], engine: dict[str, Any], replicas: int = 1,
+            judged: bool = True) -> dict[str, Any]:
     """The two target ratios. With `replicas` engines in the server (`--data-parallel`), the throughput
-    reference is that many times the one engine measured here (linear scaling)."""
+    reference is that many times the one engine measured here (linear scaling). The targets are set for a
+    GPU server: with `judged` False (a CPU server, whose run checks the plumbing) the `*_met` fields are None."""
     best = max(levels, key=lambda lv: lv["images_per_s"])
     reference = engine["images_per_s"] * replicas
     ratio = best["images_per_s"] / reference if reference else None
@@ -79,13 +81,13 @@ def targets(levels: list[dict[str, Any]], engine: dict[str, Any], replicas: int 
                      f"the engine alone on one GPU, times {replicas} (linear scaling over --data-parallel {replicas})",
         "throughput_ratio": round(ratio, 3) if ratio is not None else None,
         "throughput_ratio_target": THROUGHPUT_TARGET,
-        "throughput_ratio_met": ratio is not None and ratio >= THROUGHPUT_TARGET,
+        "throughput_ratio_met": (ratio is not None and ratio >= THROUGHPUT_TARGET) if judged else None,
         "steady_throughput_ratio": round(steady_ratio, 3) if steady_ratio is not None else None,
         "latency_concurrency": lowest["concurrency"],
         "latency_p50_ms": lowest["p50_ms"],
         "latency_overhead_ms": round(overhead, 3) if overhead is not None else None,
         "latency_overhead_target_ms": LATENCY_TARGET_MS,
-        "latency_overhead_met": overhead is not None and overhead <= LATENCY_TARGET_MS,
+        "latency_overhead_met": (overhead is not None and overhead <= LATENCY_TARGET_MS) if judged else None,
         "latency_overhead_after_idle_ms": round(overhead_idle, 3) if overhead_idle is not None else None,
     }
 
@@ -166,9 +168,10 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key), level["elapsed_s"])
             level["items_per_batch_by_engine"] = items_per_batch(engines_before, engine_counts(base_url, api_key))
             levels.append(level)
-            log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s ({level['steady_images_per_s']} steady)  "
-                f"p50 {level['p50_ms']} ms  p90 {level['p90_ms']} "
-                f"ms  p99 {level['p99_ms']} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
+            steady = f" ({level['steady_images_per_s']} steady)" if level["steady_images_per_s"] is not None else ""
+            log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s{steady}  "
+                f"p50 {_ms(level['p50_ms'])} ms  p90 {_ms(level['p90_ms'])} "
+                f"ms  p99 {_ms(level['p99_ms'])} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
                 f"in flight {level['in_flight_mean']} (clients late {level['start_late_s']} s); "
                 f"server means {level['server_ms']}")
         return {"server": server, "workload": workload, "engine": engine, "levels": levels}
@@ -192,7 +195,8 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
     else:
         body = measure(url, None)
     result = {"env": {**environment(), "client": client_name(client)}, "limits": limits, **body,
-              "targets": targets(body["levels"], body["engine"], body["server"]["engines"])}
+              "targets": targets(body["levels"], body["engine"], body["server"]["engines"],
+                                 judged=str(body["server"]["device"]).startswith("cuda"))}
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1))
@@ -216,24 +220,41 @@ def output_path(out: Path | None) -> Path | None:
     return path
 
 
+def _ms(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+def _verdict(met: bool | None) -> str:
+    return "" if met is None else f": {'met' if met else 'missed'}"
+
+
 def print_summary(result: dict[str, Any]) -> None:
+    """The levels as a table, then the ratios against the engine alone; a figure that was not measured
+    (no success in a level, a level stopped by its count) is left out, not printed as None."""
     e, t = result["engine"], result["targets"]
     print(f"{'concurrency':>11} {'images/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'errors':>7}")
     for lv in result["levels"]:
-        print(f"{lv['concurrency']:>11} {lv['images_per_s']:>10.1f} {lv['p50_ms'] or 0:>9.2f} "
-              f"{lv['p90_ms'] or 0:>9.2f} {lv['p99_ms'] or 0:>9.2f} {sum(lv['errors'].values()):>7}")
+        print(f"{lv['concurrency']:>11} {lv['images_per_s']:>10.1f} {_ms(lv['p50_ms']):>9} "
+              f"{_ms(lv['p90_ms']):>9} {_ms(lv['p99_ms']):>9} {sum(lv['errors'].values()):>7}")
     print(f"engine only: {e['images_per_s']:.1f} images/s (batch of {e['batch_images']}), {e['single_ms']:.2f} ms "
           "for one image (preprocessing included)")
-    print(f"throughput at saturation / engine: {t['throughput_ratio']} (target >= {THROUGHPUT_TARGET}: "
-          f"{'met' if t['throughput_ratio_met'] else 'missed'}); after the level's first quarter: "
-          f"{t['steady_throughput_ratio']}")
+    judged = t["throughput_ratio_met"] is not None
+    if not judged:
+        print("targets: not judged, this server runs on the CPU (they are set for a GPU server; a CPU run checks "
+              "that the path works)")
+    if t["throughput_ratio"] is not None:
+        steady = t["steady_throughput_ratio"]
+        print(f"throughput at saturation / engine: {t['throughput_ratio']} (target >= {THROUGHPUT_TARGET}"
+              f"{_verdict(t['throughput_ratio_met'])})"
+              + (f"; after the level's first quarter: {steady}" if steady is not None else ""))
     best = next(lv for lv in result["levels"] if lv["concurrency"] == t["saturation"]["concurrency"])
     if best["stopped_by"] == "requests":
         print(f"note: the c={best['concurrency']} level stopped after {best['requests']} requests "
               f"({best['elapsed_s']:.1f} s), start included: for a throughput at saturation, give the levels "
               "time (--level-time-s) and a --requests-per-level they do not reach")
-    print(f"p50 at concurrency {t['latency_concurrency']} - engine single image: {t['latency_overhead_ms']} ms "
-          f"(target <= {LATENCY_TARGET_MS} ms: {'met' if t['latency_overhead_met'] else 'missed'})")
+    if t["latency_overhead_ms"] is not None:
+        print(f"p50 at concurrency {t['latency_concurrency']} - engine single image: {t['latency_overhead_ms']} ms "
+              f"(target <= {LATENCY_TARGET_MS} ms{_verdict(t['latency_overhead_met'])})")
     if t.get("latency_overhead_after_idle_ms") is not None:
         print(f"  against the engine timed after {IDLE_GAP_S * 1e3:.0f} ms idle ({e['single_after_idle_ms']:.2f} ms): "
               f"{t['latency_overhead_after_idle_ms']} ms")
