@@ -20,6 +20,14 @@ QWEN3_PRE = {
     "size": {"shortest_edge": 65536, "longest_edge": 16777216},
 }
 QWEN3_VIDEO_PRE = {**QWEN3_PRE, "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2}
+# GLM-4.1V-9B-Thinking's released processor configs: bounds on T*H*W, CLIP mean and std (the defaults).
+GLM_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+           "size": {"shortest_edge": 12544, "longest_edge": 9633792}}
+GLM_VIDEO_PRE = {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 47040000}, "fps": 2}
+# GLM-4.1V-9B-Thinking's vision_config (GLM-4.5V's is the same).
+GLM41V_VISION = dict(depth=24, hidden_size=1536, intermediate_size=13696, out_hidden_size=4096, num_heads=12,
+                     patch_size=14, image_size=336, spatial_merge_size=2, temporal_patch_size=2,
+                     rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ PRESETS: dict[str, Preset] = {
         QWEN3_PRE,
         QWEN3_VIDEO_PRE,
     ),
+    "random:glm-4.1v-9b": Preset("glm4v", GLM41V_VISION, GLM_PRE, GLM_VIDEO_PRE),
     "tiny-qwen2-vl": Preset(
         "qwen2_vl",
         dict(depth=2, embed_dim=64, hidden_size=96, mlp_ratio=2, num_heads=4, patch_size=14),
@@ -68,6 +77,28 @@ PRESETS: dict[str, Preset] = {
         {**QWEN3_PRE, "size": {"shortest_edge": 65536, "longest_edge": 1048576}},
         {**QWEN3_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 4194304}},
     ),
+    # An 8x8 position table, so test grids are both larger and smaller than it.
+    "tiny-glm4v": Preset(
+        "glm4v",
+        dict(depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=14,
+             image_size=112),
+        {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
+        {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
+    ),
+    "tiny-glm4v-moe": Preset(
+        "glm4v_moe",
+        dict(depth=2, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=14,
+             image_size=112),
+        {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
+        {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
+    ),
+    "tiny-glm-ocr": Preset(
+        "glm_ocr",
+        dict(depth=2, hidden_size=64, intermediate_size=96, out_hidden_size=48, num_heads=4, patch_size=14,
+             attention_bias=True),
+        {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
+        {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
+    ),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -84,6 +115,8 @@ def full_config(preset: Preset):
                                                   "mrope_section": [2, 3, 3]})
     else:
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if preset.family == "glm4v_moe":  # a small mixture: the text part is never run, only written
+        text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
     return AutoConfig.for_model(
         preset.family, vision_config=preset.vision, text_config=text, bos_token_id=None, eos_token_id=None
     )

@@ -1,8 +1,10 @@
 """Qwen-VL image preprocessing on the host: RGB image -> uint8 patches in the reference row order.
 
-Parity target: transformers' `Qwen2VLImageProcessorPil` (used by Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-checkpoints). The reference converts to RGB, resizes the *uint8* image with PIL bicubic to the
-`smart_resize` size, then rescales/normalises in float and patchifies. Resizing happens on uint8, so
+Parity targets: transformers' `Qwen2VLImageProcessorPil` (used by Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+checkpoints) and `Glm4vImageProcessorPil` (GLM-4.1V, GLM-4.5V, GLM-OCR), which differ only in how they
+size an image (`smart_resize` and `clip_smart_resize`; `service.media.rules` picks one). The
+reference converts to RGB, resizes the *uint8* image with PIL bicubic to that size, then
+rescales/normalises in float and patchifies. Resizing happens on uint8, so
 we can stop before the float work and ship the resized uint8 patches: `ProcessorConfig.normalize`
 (host) or the device applies rescale + mean/std afterwards with the same result.
 
@@ -21,9 +23,17 @@ import numpy as np
 from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
-from service.media.errors import ASPECT_RATIO, INVALID_PIXEL_BOUNDS, TOO_MANY_ITEM_TOKENS, TOO_SMALL, MediaError
+from service.media.errors import (
+    ASPECT_RATIO,
+    INVALID_PIXEL_BOUNDS,
+    TOO_FEW_FRAMES,
+    TOO_MANY_ITEM_TOKENS,
+    TOO_SMALL,
+    MediaError,
+)
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
+from service.media.rules import GLM4V, rules_of
 
 MAX_ASPECT_RATIO = 200
 
@@ -68,6 +78,51 @@ def smart_resize(
     return h_bar, w_bar
 
 
+def clip_smart_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int = 2,
+    factor: int = 28,
+    min_pixels: float = 112 * 112,
+    max_pixels: float = 14 * 14 * 2 * 2 * 2 * 6144,
+) -> tuple[int, int]:
+    """Target (height, width) of the frames of a clip: multiples of `factor`, with T*H*W (T rounded to
+    `temporal_factor`) kept within [min_pixels, max_pixels] by one scale of H and W.
+
+    Same arithmetic as transformers' GLM-4.1V `smart_resize` (images are clips of `temporal_factor`
+    frames there) and Qwen3-VL's video one: frames with a side below `factor` are first scaled up so
+    that side reaches it (truncating), then rounded as in `smart_resize`, with beta computed from the
+    unrounded frame count.
+    """
+    if num_frames < temporal_factor:
+        raise MediaError(f"{num_frames} frame(s); at least {temporal_factor} are needed", TOO_FEW_FRAMES)
+    if height <= 0 or width <= 0:
+        raise MediaError(f"image is {width}x{height}: it has no pixels", TOO_SMALL)
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / max(min(height, width), 1)
+    if ratio > MAX_ASPECT_RATIO or min(height, width) == 0:
+        raise MediaError(
+            f"aspect ratio {ratio:.1f} of {width}x{height} pixels is above the limit of {MAX_ASPECT_RATIO}",
+            ASPECT_RATIO,
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
     """uint8 [grid_h*grid_w, 3*T*P*P] patches of an RGB image whose sides are multiples of P*merge.
 
@@ -102,9 +157,19 @@ def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patc
 def image_grid(
     height: int, width: int, cfg: ProcessorConfig, min_pixels: int | None = None, max_pixels: int | None = None
 ) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """((resized h, w), grid_thw) of a height x width image under the config's bounds (overridable)."""
+    """((resized h, w), grid_thw) of a height x width image under the config's bounds (overridable).
+
+    For the GLM families the bounds are the processor's `size.shortest_edge` / `longest_edge`, which bound
+    T*H*W with T = temporal_patch_size (an image is a clip of T identical frames there).
+    """
     lo, hi = _pixel_bounds(cfg, min_pixels, max_pixels)
-    new_h, new_w = smart_resize(height, width, cfg.factor, lo, hi)
+    if rules_of(cfg) == GLM4V:
+        tps = cfg.temporal_patch_size
+        new_h, new_w = clip_smart_resize(
+            tps, height, width, temporal_factor=tps, factor=cfg.factor, min_pixels=lo, max_pixels=hi
+        )
+    else:
+        new_h, new_w = smart_resize(height, width, cfg.factor, lo, hi)
     return (new_h, new_w), (1, new_h // cfg.patch_size, new_w // cfg.patch_size)
 
 

@@ -1,0 +1,151 @@
+"""GLM-4.1V preprocessing against transformers' own GLM processors: sizes, grids and pixels.
+
+Images: `Glm4vImageProcessorPil` (the processor transformers uses without torchvision; the torchvision one
+sizes identically and resizes on tensors). Videos: `Glm4vVideoProcessor.sample_frames` and the GLM
+`smart_resize` (the video processor itself needs torchvision: its pixels are compared on the GPU machine
+by tests/test_video_hf_processors.py).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from functools import cache
+
+import numpy as np
+import pytest
+from PIL import Image
+from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as ref_smart_resize
+
+from models.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ProcessorConfig
+from service.media.errors import MediaError
+from service.media.image_preprocess import clip_smart_resize, preprocess_image, preprocess_image_bytes
+from tests.test_preprocess_images import KINDS, MODES, content, random_encoded_image, random_size
+
+# GLM-4.1V's released preprocessor_config (shortest_edge 112*112), a smaller longest_edge so large
+# images stay cheap.
+GLM = ProcessorConfig(
+    family="glm4v",
+    image_mean=OPENAI_CLIP_MEAN,
+    image_std=OPENAI_CLIP_STD,
+    min_pixels=112 * 112,
+    max_pixels=28 * 28 * 2 * 64,
+)
+TOL = 1e-5
+
+
+@cache
+def reference(min_pixels: int, max_pixels: int, raw: bool = False) -> Glm4vImageProcessorPil:
+    return Glm4vImageProcessorPil(
+        do_rescale=not raw,
+        do_normalize=not raw,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    )
+
+
+def run_reference(image: Image.Image, raw: bool = False, **bounds: int) -> tuple[np.ndarray, tuple]:
+    proc = reference(bounds.get("min_pixels", GLM.min_pixels), bounds.get("max_pixels", GLM.max_pixels), raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = proc(image)
+    return np.asarray(out["pixel_values"]), tuple(int(v) for v in out["image_grid_thw"][0])
+
+
+def assert_parity(ours, ref_pixels: np.ndarray, ref_grid: tuple) -> None:
+    assert ours.grid_thw == ref_grid
+    assert ours.pixels.shape == ref_pixels.shape == (math.prod(ref_grid), GLM.patch_dim)
+    assert float(np.abs(GLM.normalize(ours.pixels) - ref_pixels).max()) <= TOL
+
+
+@pytest.mark.parametrize("frames", [2, 3, 4, 16, 33])
+def test_clip_smart_resize_matches_transformers(frames: int) -> None:
+    rng = np.random.default_rng(frames)
+    sizes = [(int(rng.integers(1, 3000)), int(rng.integers(1, 3000))) for _ in range(300)]
+    sizes += [(1, 1), (27, 28), (28, 27), (5, 900), (2000, 11), (14, 2800), (1, 200), (112, 112)]
+    for lo, hi in [(112 * 112, 28 * 28 * 2 * 6144), (112 * 112, 28 * 28 * 2 * 64), (1, 10**9), (10**6, 2 * 10**6)]:
+        for h, w in sizes:
+            try:
+                expect = ref_smart_resize(frames, h, w, temporal_factor=2, factor=28, min_pixels=lo, max_pixels=hi)
+            except ValueError:
+                with pytest.raises(MediaError):
+                    clip_smart_resize(frames, h, w, temporal_factor=2, factor=28, min_pixels=lo, max_pixels=hi)
+                continue
+            assert clip_smart_resize(frames, h, w, temporal_factor=2, factor=28, min_pixels=lo, max_pixels=hi) == expect
+
+
+def test_clip_smart_resize_refuses_one_frame() -> None:
+    with pytest.raises(MediaError) as info:
+        clip_smart_resize(1, 100, 100)
+    assert info.value.code == "too_few_frames"
+
+
+def test_parity_random_images_from_bytes() -> None:
+    """18 seeded images of every mode and size class: bytes -> ours vs bytes -> PIL.open -> reference."""
+    rng = np.random.default_rng(4242)
+    grids = set()
+    for i in range(18):
+        mode = MODES[i % len(MODES)]
+        width, height = random_size(rng, KINDS[(i // len(MODES) + i) % len(KINDS)])
+        data = random_encoded_image(rng, mode, width, height)
+        ours = preprocess_image_bytes(data, GLM)
+        ref_pixels, ref_grid = run_reference(Image.open(io.BytesIO(data)))
+        assert_parity(ours, ref_pixels, ref_grid)
+        if i % 3 == 0:  # the uint8 patches are the reference's resized values exactly
+            raw_pixels, _ = run_reference(Image.open(io.BytesIO(data)), raw=True)
+            np.testing.assert_array_equal(ours.pixels, raw_pixels)
+        grids.add(ref_grid)
+    assert len(grids) > 8
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [{"min_pixels": 28 * 28 * 8}, {"max_pixels": 28 * 28 * 2 * 16}, {"min_pixels": 1, "max_pixels": 10_000_000}],
+)
+def test_per_item_pixel_bounds_are_the_processor_size(bounds: dict[str, int]) -> None:
+    rng = np.random.default_rng(5)
+    for width, height in [(37, 23), (300, 180), (640, 480)]:
+        image = Image.fromarray(content(rng, height, width, 3), "RGB")
+        ref_pixels, ref_grid = run_reference(image, **bounds)
+        assert_parity(preprocess_image(image, GLM, **bounds), ref_pixels, ref_grid)
+
+
+@pytest.mark.parametrize("size", [(1, 1), (3, 1), (1, 150), (27, 5), (4, 3), (28, 28)])
+def test_tiny_images_are_scaled_up_like_the_reference(size: tuple[int, int]) -> None:
+    image = Image.fromarray(content(np.random.default_rng(3), size[1], size[0], 3), "RGB")
+    ref_pixels, ref_grid = run_reference(image)
+    assert_parity(preprocess_image(image, GLM), ref_pixels, ref_grid)
+
+
+def test_glm_sizing_differs_from_qwen2() -> None:
+    """The GLM bounds count T*H*W: the same image gets fewer tokens than under Qwen2-VL's rule."""
+    image = Image.new("RGB", (1000, 800))
+    qwen = ProcessorConfig(min_pixels=GLM.min_pixels, max_pixels=GLM.max_pixels)
+    assert preprocess_image(image, GLM).grid_thw != preprocess_image(image, qwen).grid_thw
+
+
+class _GlmDefaults:
+    """What `Glm4vVideoProcessor.sample_frames` reads from its instance (the class needs torchvision)."""
+
+    fps = 2
+    max_duration = 300
+
+
+@pytest.mark.parametrize("video_fps", [1.0, 2.0, 5.0, 23.976, 24.0, 29.97, 30.0, 60.0])
+@pytest.mark.parametrize("fps", [None, 0.5, 1.0, 2.0, 3.0, 7.5, 100.0])
+def test_glm_sampling_matches_transformers(video_fps: float, fps: float | None) -> None:
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from service.media.glm_sampling import glm_frame_indices
+
+    rng = np.random.default_rng(int(video_fps * 100) + int((fps or 0) * 10))
+    totals = [1, 2, 3, 7, 16, 61, 599, 600, 601, int(300 * video_fps), int(300 * video_fps) + 1]
+    totals += [int(x) for x in rng.integers(1, 40_000, 6)]
+    for total in totals:
+        metadata = VideoMetadata(total_num_frames=total, fps=video_fps, duration=total / video_fps)
+        expect = Glm4vVideoProcessor.sample_frames(_GlmDefaults(), metadata, fps=fps)  # type: ignore[arg-type]
+        ours = glm_frame_indices(total, video_fps, _GlmDefaults.fps if fps is None else fps)
+        np.testing.assert_array_equal(ours, expect, err_msg=f"{total} frames at {video_fps} fps, sampled at {fps}")
+        assert len(ours) % 2 == 0
