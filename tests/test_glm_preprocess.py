@@ -22,6 +22,7 @@ from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as
 from models.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ProcessorConfig
 from service.media.errors import MediaError
 from service.media.image_preprocess import clip_smart_resize, preprocess_image, preprocess_image_bytes
+from service.media.video_sampling import glm_frame_indices
 from tests.test_preprocess_images import KINDS, MODES, content, random_encoded_image, random_size
 
 # GLM-4.1V's released preprocessor_config (shortest_edge 112*112), a smaller longest_edge so large
@@ -138,14 +139,62 @@ def test_glm_sampling_matches_transformers(video_fps: float, fps: float | None) 
     from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
     from transformers.video_utils import VideoMetadata
 
-    from service.media.glm_sampling import glm_frame_indices
-
     rng = np.random.default_rng(int(video_fps * 100) + int((fps or 0) * 10))
     totals = [1, 2, 3, 7, 16, 61, 599, 600, 601, int(300 * video_fps), int(300 * video_fps) + 1]
     totals += [int(x) for x in rng.integers(1, 40_000, 6)]
     for total in totals:
         metadata = VideoMetadata(total_num_frames=total, fps=video_fps, duration=total / video_fps)
         expect = Glm4vVideoProcessor.sample_frames(_GlmDefaults(), metadata, fps=fps)  # type: ignore[arg-type]
-        ours = glm_frame_indices(total, video_fps, _GlmDefaults.fps if fps is None else fps)
+        ours = glm_frame_indices(total, video_fps, fps=_GlmDefaults.fps if fps is None else fps)
         np.testing.assert_array_equal(ours, expect, err_msg=f"{total} frames at {video_fps} fps, sampled at {fps}")
         assert len(ours) % 2 == 0
+
+
+GLM_VIDEO = ProcessorConfig.from_dicts(
+    "glm4v",
+    {"size": {"shortest_edge": 12544, "longest_edge": 9633792}},
+    {"size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 40}, "fps": 2},
+)
+
+
+@pytest.mark.parametrize("fps", [None, 3.0, 30.0])
+def test_glm_video_end_to_end(fps: float | None) -> None:
+    """Frames GLM's sample_frames picks, sized by GLM's smart_resize, in the processor's patch layout."""
+    import torch
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from service.media.video_preprocess import preprocess_video_bytes
+    from tests.videos import decode_all, make_video
+
+    clip = make_video(23, fps=10, width=96, height=72, codec="libx264")  # 2.3 s, an odd frame count
+    out = preprocess_video_bytes(clip, GLM_VIDEO, fps=fps)
+    metadata = VideoMetadata(total_num_frames=23, fps=10.0, duration=2.3)
+    indices = Glm4vVideoProcessor.sample_frames(_GlmDefaults(), metadata, fps=fps).tolist()  # type: ignore[arg-type]
+    assert out.meta["frame_indices"] == indices and len(indices) % 2 == 0
+    h, w = ref_smart_resize(len(indices), 72, 96, temporal_factor=2, factor=28, min_pixels=12544,
+                            max_pixels=28 * 28 * 2 * 40)
+    frames, times = decode_all(clip)
+    resized = np.stack([np.asarray(Image.fromarray(frames[i]).resize((w, h), Image.Resampling.BICUBIC))
+                        for i in indices])
+    video = torch.from_numpy(resized).permute(0, 3, 1, 2)[None]
+    patches, gt, gh, gw = Glm4vVideoProcessor.patchify(None, video, 14, 2, 2)  # type: ignore[arg-type]
+    assert out.grid_thw == (gt, gh, gw) == (len(indices) // 2, h // 14, w // 14)
+    np.testing.assert_array_equal(out.pixels, patches[0].numpy().astype(np.uint8))
+    np.testing.assert_allclose(out.meta["timestamps"], times[indices])
+
+
+def test_glm_single_frame_video_is_one_temporal_patch() -> None:
+    from service.media.video_preprocess import preprocess_video_bytes
+    from tests.videos import make_video
+
+    out = preprocess_video_bytes(make_video(1, fps=10, width=64, height=48), GLM_VIDEO)
+    assert out.grid_thw[0] == 1 and out.meta["frame_indices"] == [0, 0]
+
+
+def test_glm_max_frames_spreads_frames_over_the_clip() -> None:
+    from service.media.video_sampling import VideoOptions, plan_sampling
+
+    plan = plan_sampling(GLM_VIDEO, 600, 30.0, VideoOptions(max_frames=6))  # 20 s at 2 fps would be 40
+    assert plan.indices.tolist() == glm_frame_indices(600, 30.0, nframes=6).tolist() == [0, 120, 240, 360, 480, 599]
+    assert plan.fps_adjusted_by == "max_frames"

@@ -7,6 +7,10 @@ The rules follow the reference each model family ships with:
   per-frame pixel budget of `fetch_video`), resize with `smart_resize` (factor patch*merge).
 * Qwen3-VL: transformers' `Qwen3VLVideoProcessor` (`sample_frames`, and its own `smart_resize`
   that bounds T*H*W of the whole clip between size.shortest_edge and size.longest_edge).
+* GLM-4.1V, GLM-4.5V, GLM-OCR: transformers' `Glm4vVideoProcessor` (`sample_frames`: frames at fps
+  up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
+
+`service.media.rules` says which of these a family follows.
 
 `VideoOptions` are one item's per-request overrides of the config's video defaults; `plan_sampling`
 turns them, the frame count and the frame rate into a `SamplingPlan`.
@@ -22,10 +26,8 @@ import numpy as np
 
 from models.config import ProcessorConfig
 from service.media.errors import ASPECT_RATIO, INVALID_OPTION, TOO_FEW_FRAMES, MediaError
-from service.media.image_preprocess import MAX_ASPECT_RATIO, smart_resize
-
-QWEN2_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-QWEN3_FAMILIES = ("qwen3_vl",)
+from service.media.image_preprocess import MAX_ASPECT_RATIO, clip_smart_resize, smart_resize
+from service.media.rules import GLM4V, QWEN2_VL, QWEN3_VL, rules_of
 
 # qwen-vl-utils' FRAME_FACTOR; it is the temporal_patch_size of every Qwen-VL checkpoint.
 FRAME_FACTOR = 2
@@ -233,6 +235,45 @@ def qwen3_max_pixels(
     return per_frame * num_frames
 
 
+# -- GLM-4.1V: transformers Glm4vVideoProcessor --------------------------------------------------
+
+GLM_MAX_DURATION = 300.0  # Glm4vVideoProcessor.max_duration, seconds
+
+
+def glm_frame_indices(
+    total_frames: int,
+    video_fps: float,
+    *,
+    fps: float = 2.0,
+    max_duration: float = GLM_MAX_DURATION,
+    nframes: int | None = None,
+) -> np.ndarray:
+    """Glm4vVideoProcessor.sample_frames: int64 indices into `total_frames` frames, an even count.
+
+    Frame i at ceil(i * video_fps / fps) for i < floor(duration * fps), the duration being
+    frames / video_fps as transformers' decoders report it; a clip longer than `max_duration` gets
+    max_duration * fps frames at evenly spaced times over its whole length instead (all of them when
+    it has no more). `nframes` asks for that many at evenly spaced times (GLM's own way to take a
+    fixed count). Repeats are dropped; an odd count is padded with the last index.
+    """
+    last = total_frames - 1
+    duration = total_frames / video_fps
+    if nframes is not None:
+        picked = [min(last, math.ceil(t * video_fps)) for t in np.linspace(0, duration, nframes)]
+    elif duration <= max_duration:
+        n = max(math.floor(duration * fps), 1)
+        picked = [min(last, math.ceil(i * video_fps / fps)) for i in range(n)]
+    elif int(max_duration * fps) >= total_frames:
+        picked = list(range(total_frames))
+    else:
+        samples = int(max_duration * fps)
+        picked = [min(last, math.ceil(t * video_fps)) for t in np.linspace(0, duration, samples)]
+    unique = list(dict.fromkeys(picked))
+    if len(unique) % 2:
+        unique.append(unique[-1])
+    return np.asarray(unique, dtype=np.int64)
+
+
 # -- planning -------------------------------------------------------------------------------------
 
 
@@ -277,7 +318,8 @@ def plan_sampling(
     want_fps = vcfg.fps if fps is None else fps
     lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
     factor = cfg.factor
-    if cfg.family in QWEN2_FAMILIES:
+    rules = rules_of(cfg)
+    if rules == QWEN2_VL:
         n = qwen2_nframes(
             count,
             video_fps,
@@ -309,7 +351,7 @@ def plan_sampling(
         def size(height: int, width: int) -> tuple[int, int]:
             return smart_resize(height, width, factor, lo, hi)  # type: ignore[arg-type]
 
-    elif cfg.family in QWEN3_FAMILIES:
+    elif rules == QWEN3_VL:
         n = qwen3_num_frames(
             count,
             video_fps,
@@ -343,6 +385,29 @@ def plan_sampling(
         def size(height: int, width: int) -> tuple[int, int]:
             return qwen3_smart_resize(
                 n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi
+            )
+
+    elif rules == GLM4V:
+        # GLM's processor has no frame bounds: min_frames does not apply, max_frames (per request) spreads
+        # that many frames over the clip when the fps rule would take more.
+        indices = glm_frame_indices(count, video_fps, fps=want_fps, nframes=nframes)
+        if nframes is None:
+            if max_frames is not None and len(np.unique(indices)) > max_frames:
+                indices, adjusted = glm_frame_indices(count, video_fps, nframes=max_frames), "max_frames"
+            elif count / video_fps > GLM_MAX_DURATION:
+                adjusted = "max_frames"
+            elif len(np.unique(indices)) < max(math.floor(count / video_fps * want_fps), 1):
+                adjusted = "frame_count"  # fps above the video's: repeated frames are dropped
+        indices = first + indices
+        n = len(indices)
+        hi_budget = vcfg.max_pixels if max_pixels is None else max_pixels
+        if total_pixels is not None:
+            hi_budget = min(hi_budget, total_pixels)
+        tps = cfg.temporal_patch_size
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return clip_smart_resize(
+                n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi_budget
             )
 
     else:
