@@ -50,12 +50,21 @@ class Family:
     separate_qkv: bool = False  # `attn.q`, `attn.k`, `attn.v` rather than one `attn.qkv`
     mlp: Literal["plain", "gated"] = "plain"  # fc2(act(fc1(x))) or down(act(gate(x)) * up(x))
     mlp_names: tuple[str, str] = ("fc1", "fc2")  # a plain MLP's two projections
+    norm_eps: float = 1e-6  # the blocks' norms
+    qkv_bias: bool = True  # biases of the attention's input projection(s), its output one, the MLP's
+    proj_bias: bool = True
+    mlp_bias: bool = True
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotary (`attn.q_norm`, `attn.k_norm`)
     windows: bool = False  # window attention (`window_size`, `fullatt_block_indexes` in the config)
     learned_positions: bool = False  # a `pos_embed` table resampled bilinearly to each grid
     merger: Literal["mlp", "linear_fc"] = "mlp"  # parameter layout of the mergers (models.layers.Merger)
     deepstack: str | None = None  # attribute holding the DeepStack mergers; None: no DeepStack
     # Preprocessing and hand-off.
-    video_sampling: Literal["qwen2", "qwen3"] = "qwen2"  # qwen-vl-utils' rules or Qwen3VLVideoProcessor's
+    # How images are sized: Qwen2VLImageProcessor's smart_resize (bounds on H*W) or Glm4vImageProcessor's
+    # (an image is a clip of temporal_patch_size frames: bounds on T*H*W). Videos: qwen-vl-utils' rules,
+    # Qwen3VLVideoProcessor's or Glm4vVideoProcessor's (service/media/video_sampling.py).
+    image_sizing: Literal["qwen2", "glm4v"] = "qwen2"
+    video_sampling: Literal["qwen2", "qwen3", "glm4v"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # transformers' class of the whole model (what save_pretrained writes; the reference in tests and bench)

@@ -68,27 +68,29 @@ class GatedMlp(nn.Module):
     a multiple of 8, which pushes cuBLAS onto slow kernels); padded units are exactly zero. The
     checkpoint's parameter names stay as views into the fused tensors."""
 
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
+    def __init__(self, dim: int, hidden: int, act: str, bias: bool = True) -> None:
         super().__init__()
         self.hidden = hidden
-        self.gate_proj = nn.Linear(dim, hidden)
-        self.up_proj = nn.Linear(dim, hidden)
-        self.down_proj = nn.Linear(hidden, dim)
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.act = check_activation(act)
-        self.fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self.fused: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int] | None = None
 
     def fuse(self) -> None:
         h, padded = self.hidden, -(-self.hidden // 64) * 64
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         weight = gate.weight.new_zeros(2 * padded, gate.weight.shape[1])
-        bias = gate.bias.new_zeros(2 * padded)
         down_weight = down.weight.new_zeros(down.weight.shape[0], padded)
         weight[:h], weight[padded : padded + h] = gate.weight.data, up.weight.data
-        bias[:h], bias[padded : padded + h] = gate.bias.data, up.bias.data
         down_weight[:, :h] = down.weight.data
         gate.weight.data, up.weight.data = weight[:h], weight[padded : padded + h]
-        gate.bias.data, up.bias.data = bias[:h], bias[padded : padded + h]
         down.weight.data = down_weight[:, :h]
+        bias = None
+        if gate.bias is not None:
+            bias = gate.bias.new_zeros(2 * padded)
+            bias[:h], bias[padded : padded + h] = gate.bias.data, up.bias.data
+            gate.bias.data, up.bias.data = bias[:h], bias[padded : padded + h]
         self.fused = (weight, bias, down_weight, padded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +101,12 @@ class GatedMlp(nn.Module):
         return F.linear(hidden, down_weight, self.down_proj.bias)
 
 
-def make_norm(kind: str, dim: int) -> nn.Module:
-    """The families' two norms, both with eps 1e-6: "layer" (LayerNorm) or "rms" (RMSNorm)."""
+def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
+    """The families' two norms: "layer" (LayerNorm) or "rms" (RMSNorm); eps 1e-6 unless a family says."""
     if kind == "layer":
-        return nn.LayerNorm(dim, eps=1e-6)
+        return nn.LayerNorm(dim, eps=eps)
     if kind == "rms":
-        return RMSNorm(dim)
+        return RMSNorm(dim, eps)
     raise ValueError(f"unknown norm {kind!r}: layer or rms")
 
 
@@ -176,10 +178,13 @@ class Attention(nn.Module):
     (`q`, `k`, `v`: Qwen2.5-Omni), fused after loading into one GEMM as `fuse` says. `kv_heads` below
     `heads` is grouped-query attention (EXAONE 4.5): each key/value head serves `heads / kv_heads`
     consecutive query heads, expanded before the kernel so every backend sees plain multi-head inputs.
+    `qk_norm` normalises each head of q and k (RMSNorm over the head dim, `q_norm` / `k_norm`) before
+    the rotary (GLM-OCR). `bias` / `proj_bias`: whether the input and output projections have biases.
     """
 
     def __init__(self, dim: int, heads: int, backend: str, kv_heads: int | None = None,
-                 separate: bool = False) -> None:
+                 separate: bool = False, bias: bool = True, proj_bias: bool = True, qk_norm: bool = False,
+                 eps: float = 1e-6) -> None:
         super().__init__()
         self.heads = heads
         self.kv_heads = kv_heads or heads
@@ -189,12 +194,15 @@ class Attention(nn.Module):
         kv_dim = self.kv_heads * head_dim
         self.separate = separate
         if separate:
-            self.q = nn.Linear(dim, dim, bias=True)
-            self.k = nn.Linear(dim, kv_dim, bias=True)
-            self.v = nn.Linear(dim, kv_dim, bias=True)
+            self.q = nn.Linear(dim, dim, bias=bias)
+            self.k = nn.Linear(dim, kv_dim, bias=bias)
+            self.v = nn.Linear(dim, kv_dim, bias=bias)
         else:
-            self.qkv = nn.Linear(dim, dim + 2 * kv_dim, bias=True)
-        self.proj = nn.Linear(dim, dim)
+            self.qkv = nn.Linear(dim, dim + 2 * kv_dim, bias=bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.backend = backend
         self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -226,7 +234,12 @@ class Attention(nn.Module):
         n, heads, kv = x.shape[0], self.heads, self.kv_heads
         rows = self.projections(x).view(n, heads + 2 * kv, -1)
         # q and k rotate together: one [n, 1, heads + kv, head_dim] view of the projection's rows
-        qk = apply_rotary(rows[:, : heads + kv].unsqueeze(1), cos, sin)[:, 0]
+        qk = rows[:, : heads + kv]
+        if self.qk_norm:
+            d = rows.shape[-1]
+            q = self.q_norm(rows[:, :heads].reshape(-1, d)).view(n, heads, d)
+            qk = torch.cat([q, self.k_norm(rows[:, heads : heads + kv].reshape(-1, d)).view(n, kv, d)], dim=1)
+        qk = apply_rotary(qk.unsqueeze(1), cos, sin)[:, 0]
         q, k, v = qk[:, :heads], qk[:, heads:], rows[:, heads + kv :]
         if kv != heads:
             k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)

@@ -1,8 +1,10 @@
-"""Learned absolute positions resampled to each grid (Qwen3-VL and the towers built like it).
+"""Learned absolute positions resampled to each grid (Qwen3-VL, GLM-4.1V and the towers built like them).
 
-A square table of `side` x `side` embeddings is resampled bilinearly (align_corners=True) to each
-frame's patch grid. The resampling is metadata: four table indices and four weights per patch,
-built on the CPU in merge-block order, so the device does one gather and a weighted sum.
+A square table of `side` x `side` embeddings is resampled to each frame's patch grid: bilinearly with
+align_corners=True (Qwen3-VL), or bicubically at the patch centres with align_corners=False and the
+border clamped (GLM-4.1V: transformers' `grid_sample(mode="bicubic")`). The resampling is metadata:
+table indices and weights per patch (4, or 16 for bicubic), built on the CPU in float32 in merge-block
+order, so the device does one weighted gather and a graph replays it from static buffers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from models.metadata import GRID_CACHE_SIZE, block_order_positions, frozen
 from models.protocol import Capacity, Grid
@@ -53,3 +56,62 @@ def bilinear_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: in
 def resample(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
     """Each patch's position embedding: the weighted sum of its four table rows."""
     return (table[meta["interp_idx"]] * meta["interp_w"][..., None]).sum(1)
+
+
+# ---- bicubic (GLM-4.1V) ---------------------------------------------------------------------------
+
+CUBIC_A = -0.75  # PyTorch's bicubic convolution (grid_sample, interpolate)
+
+
+def cubic_weights(t: np.ndarray) -> np.ndarray:
+    """[n, 4] float32 weights of the taps at floor-1 .. floor+2 for fractions t, as PyTorch's
+    `get_cubic_upsample_coefficients` computes them."""
+    a, one = np.float32(CUBIC_A), np.float32(1)
+
+    def near(x: np.ndarray) -> np.ndarray:  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + one
+
+    def far(x: np.ndarray) -> np.ndarray:  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    return np.stack([far(t + one), near(t), near(one - t), far(2 - t)], axis=1).astype(np.float32)
+
+
+def _cubic_axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Four table indices and weights per position along one axis: the patch centre mapped to [-1, 1]
+    as the reference does, then onto `side` cells (align_corners=False); taps clamped to the border."""
+    norm = (index.astype(np.float32) + np.float32(0.5)) / np.float32(size) * np.float32(2) - np.float32(1)
+    src = (norm + np.float32(1)) * np.float32(side / 2) - np.float32(0.5)
+    floor = np.floor(src)
+    taps = floor.astype(np.int64)[:, None] + np.arange(-1, 3)
+    return np.clip(taps, 0, side - 1), cubic_weights((src - floor).astype(np.float32))
+
+
+@lru_cache(maxsize=GRID_CACHE_SIZE)
+def bicubic_frame_taps(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Table indices and weights [h*w, 16] of one frame's patches, in merge-block order (read-only)."""
+    pos = block_order_positions(h, w, merge)
+    row_taps, row_w = _cubic_axis_taps(pos[:, 0], h, side)
+    col_taps, col_w = _cubic_axis_taps(pos[:, 1], w, side)
+    idx = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 16)
+    wts = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 16)
+    return frozen(idx), frozen(wts)
+
+
+def bicubic_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int) -> dict[str, np.ndarray]:
+    """interp_idx / interp_w [patches, 16]; padding rows read entry 0 with weight 0."""
+    idx = np.zeros((cap.patches, 16), dtype=np.int64)
+    wts = np.zeros((cap.patches, 16), dtype=np.float32)
+    offset = 0
+    for t, h, w in grids:
+        frame_idx, frame_w = bicubic_frame_taps(h, w, merge, side)
+        idx[offset : offset + t * h * w].reshape(t, h * w, 16)[:] = frame_idx
+        wts[offset : offset + t * h * w].reshape(t, h * w, 16)[:] = frame_w
+        offset += t * h * w
+    return {"interp_idx": idx, "interp_w": wts}
+
+
+def resample_float32(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each patch's position embedding in float32 (the reference resamples a float32 copy of the table):
+    a weighted sum of its table rows in one kernel, without a [patches, taps, dim] intermediate."""
+    return F.embedding_bag(meta["interp_idx"], table.float(), per_sample_weights=meta["interp_w"], mode="sum")

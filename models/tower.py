@@ -78,11 +78,12 @@ class QwenTower(nn.Module):
     def make_block(self, dims: Dims) -> Block:
         f, cfg = self.spec, self.config
         if f.mlp == "gated":
-            mlp: nn.Module = GatedMlp(dims.hidden, dims.mlp, cfg.hidden_act)
+            mlp: nn.Module = GatedMlp(dims.hidden, dims.mlp, cfg.hidden_act, f.mlp_bias)
         else:
             mlp = Mlp(dims.hidden, dims.mlp, cfg.hidden_act, f.mlp_names)
-        attn = Attention(dims.hidden, dims.heads, self.backend, dims.kv_heads, f.separate_qkv)
-        return Block(make_norm(f.norm, dims.hidden), make_norm(f.norm, dims.hidden), attn, mlp)
+        attn = Attention(dims.hidden, dims.heads, self.backend, dims.kv_heads, f.separate_qkv, f.qkv_bias,
+                         f.proj_bias, f.qk_norm, f.norm_eps)
+        return Block(make_norm(f.norm, dims.hidden, f.norm_eps), make_norm(f.norm, dims.hidden, f.norm_eps), attn, mlp)
 
     # ---- what the protocol names ------------------------------------------------------------
     @property

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from models import load_tower
 from models.config import ProcessorConfig
-from models.glm4v import frame_taps
 from models.loader import build_tower
+from models.positions import bicubic_frame_taps
 from models.presets import PRESETS, full_config
 from tests.checkpoints import CLASSES, write_checkpoint
 from tests.test_towers import random_pixels, rel_err, run_ours, swap_layout
@@ -114,11 +114,11 @@ def test_bicubic_taps_equal_grid_sample(size, side):
     h, w = size
     gen = torch.Generator().manual_seed(h * 100 + w)
     table = torch.randn(side * side, 32, generator=gen)
-    idx, wts = frame_taps(h, w, 2, side)
+    idx, wts = bicubic_frame_taps(h, w, 2, side)
     ours = F.embedding_bag(torch.tensor(idx), table, per_sample_weights=torch.tensor(wts), mode="sum")
     from models.metadata import block_order_positions
 
-    pos = torch.from_numpy(block_order_positions(h, w, 2)).float()
+    pos = torch.tensor(block_order_positions(h, w, 2)).float()
     grid = torch.stack([(pos[:, 1] + 0.5) / w * 2 - 1, (pos[:, 0] + 0.5) / h * 2 - 1], -1)[None, :, None]
     image = table.view(side, side, -1).permute(2, 0, 1)[None]
     ref = F.grid_sample(image, grid, mode="bicubic", align_corners=False, padding_mode="border")

@@ -33,7 +33,7 @@ from service.media.errors import (
 )
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
-from service.media.rules import GLM4V, rules_of
+from service.media.rules import image_sizing
 
 MAX_ASPECT_RATIO = 200
 
@@ -163,7 +163,7 @@ def image_grid(
     T*H*W with T = temporal_patch_size (an image is a clip of T identical frames there).
     """
     lo, hi = _pixel_bounds(cfg, min_pixels, max_pixels)
-    if rules_of(cfg) == GLM4V:
+    if image_sizing(cfg) == "glm4v":
         tps = cfg.temporal_patch_size
         new_h, new_w = clip_smart_resize(
             tps, height, width, temporal_factor=tps, factor=cfg.factor, min_pixels=lo, max_pixels=hi

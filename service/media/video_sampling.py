@@ -27,7 +27,7 @@ import numpy as np
 from models.config import ProcessorConfig
 from service.media.errors import ASPECT_RATIO, INVALID_OPTION, TOO_FEW_FRAMES, MediaError
 from service.media.image_preprocess import MAX_ASPECT_RATIO, clip_smart_resize, smart_resize
-from service.media.rules import GLM4V, QWEN2_VL, QWEN3_VL, rules_of
+from service.media.rules import video_sampling
 
 # qwen-vl-utils' FRAME_FACTOR; it is the temporal_patch_size of every Qwen-VL checkpoint.
 FRAME_FACTOR = 2
@@ -318,8 +318,8 @@ def plan_sampling(
     want_fps = vcfg.fps if fps is None else fps
     lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
     factor = cfg.factor
-    rules = rules_of(cfg)
-    if rules == QWEN2_VL:
+    rules = video_sampling(cfg)
+    if rules == "qwen2":
         n = qwen2_nframes(
             count,
             video_fps,
@@ -351,7 +351,7 @@ def plan_sampling(
         def size(height: int, width: int) -> tuple[int, int]:
             return smart_resize(height, width, factor, lo, hi)  # type: ignore[arg-type]
 
-    elif rules == QWEN3_VL:
+    elif rules == "qwen3":
         n = qwen3_num_frames(
             count,
             video_fps,
@@ -387,7 +387,7 @@ def plan_sampling(
                 n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi
             )
 
-    elif rules == GLM4V:
+    elif rules == "glm4v":
         # GLM's processor has no frame bounds: min_frames does not apply, max_frames (per request) spreads
         # that many frames over the clip when the fps rule would take more.
         indices = glm_frame_indices(count, video_fps, fps=want_fps, nframes=nframes)
