@@ -222,6 +222,11 @@ class Metrics:
         self.cancelled = Counter("vitserve_cancelled_items", "Items whose request went away (client gone or timed "
                                  "out): dropped from the queue, or their result discarded", registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the server accepts work", registry=r)
+        self.connections_dropped = Counter(
+            "vitserve_connections_dropped", "Connections closed without an answer to a request, by reason: "
+            "idle_timeout (kept-alive, idle past --keep-alive-timeout-s), no_request (nothing sent within "
+            "--header-timeout-s), client_closed (the client closed or reset it with a request unanswered), "
+            "aborted (the server gave up on it mid-request or mid-response)", ["reason"], registry=r)
         self._pool_stats: StatsSource | None = None
         r.register(PoolCollector(lambda: self._pool_stats))
 

@@ -159,8 +159,11 @@ class ServeSettings(BaseModel):
     max_header_fields: int = flag("header fields of one request, 431 above (default 100)", default=100, ge=1)
     header_timeout_s: float = flag("time a client has to send a request's head, 408 after (default 10)",
                                    default=10.0, gt=0)
-    keep_alive_timeout_s: float = flag("an idle kept-alive connection is closed after it (default 5)", default=5.0,
-                                       gt=0)
+    # Above the idle expiry of common clients and balancers (httpx 5 s, aiohttp 15 s, AWS ALB 60 s), so
+    # that they close an idle connection first: a server that closes it first races the next request
+    # sent on it, which the client then sees dropped.
+    keep_alive_timeout_s: float = flag("an idle kept-alive connection is closed after it (default 75)",
+                                       default=75.0, gt=0)
     max_connections: int = flag("open connections; requests beyond get 503, except GET /health (default 1024)",
                                 default=1024, ge=1)
 

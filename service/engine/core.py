@@ -39,6 +39,7 @@ from service.engine.types import (
     NotReady,
     Overloaded,
     RequestRejected,
+    WorkerLost,
     new_error_id,
 )
 from service.media.errors import MediaError
@@ -347,6 +348,8 @@ class Engine:
                     raise ItemError(item.index, str(exc), "too_much_memory", 413) from None
                 if exc.reason == "stopped":
                     raise NotReady("the server is stopping", "stopped") from None
+                if exc.reason != "crash":  # killed from outside, its channel failed...: not the item's doing
+                    raise WorkerLost(f"item {item.index}: {exc}") from None
                 raise ItemError(item.index, f"{exc}: the media is probably malformed", "decoder_crashed") from None
             except JobFailed as exc:
                 error_id = new_error_id()

@@ -75,6 +75,13 @@ class EngineDied(EngineError):
     code = "engine_failed"
 
 
+class WorkerLost(EngineError):
+    """The worker process preparing an item, or rendering a response, died of a cause that was not the
+    item's own (killed from outside, its channel failed, ...) (503: a retry finds a fresh worker)."""
+
+    code = "worker_lost"
+
+
 class StorageFull(EngineError):
     """Shared memory or the encoder-cache folder has no room left (507); nothing half-written stays."""
 

@@ -25,11 +25,19 @@ from starlette.requests import ClientDisconnect
 
 from service import shm
 from service.engine.core import Engine
-from service.engine.types import EngineError, ItemResult, NotReady
+from service.engine.types import EngineError, EngineFailure, ItemResult, NotReady, WorkerLost, new_error_id
 from service.handoff.ec_storage import StorageError
 from service.handoff.pipeline import Handoff
 from service.http import docs, encoder_cache, encoders
-from service.http.errors import ApiError, ClientGone, from_engine, item_error, too_large, validation_error
+from service.http.errors import (
+    ApiError,
+    ClientGone,
+    from_engine,
+    item_error,
+    server_fault,
+    too_large,
+    validation_error,
+)
 from service.http.fronts import FrontRole, ask_siblings, merge_expositions
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
 from service.http.responses import PartsResponse, json_parts, take_segment
@@ -45,7 +53,7 @@ from service.metrics import Metrics, watch_event_loop
 from service.settings import ServeSettings
 from service.version import VERSION
 from service.workers import jobs
-from service.workers.pool import Owner
+from service.workers.pool import JobFailed, Owner, WorkerDied
 
 log = logging.getLogger("vitserve.http")
 T = TypeVar("T")
@@ -136,24 +144,38 @@ class Service:
         """Every outcome of one /encode call as a response (499: the client is gone, nobody reads it)."""
         try:
             return await self.handle_encode(request)
-        except ApiError as exc:
-            return exc.response()
-        except EngineError as exc:
-            return from_engine(exc).response()
-        except StorageError as exc:  # the shared encoder-cache folder: full (507) or unwritable (503)
-            kind = "insufficient_storage" if exc.status == 507 else "unavailable"
-            return ApiError(exc.status, kind, exc.message, exc.code, headers={"Retry-After": "5"}).response()
-        except (asyncio.TimeoutError, TimeoutError):
-            return ApiError(504, "timeout", f"the request took longer than {self.settings.request_timeout_s:g}s "
-                                            "(--request-timeout-s)", "timeout").response()
         except ClientGone as exc:
             log.info("client went away %s (counted as 499)", exc)
             return Response(status_code=499)
         except Exception as exc:
-            error_id = "err-" + uuid.uuid4().hex[:12]
+            error, logged = self.api_error(exc)
+            if error.status >= 500:
+                server_fault(error, logged)
+            return error.response()
+
+    def api_error(self, exc: Exception) -> tuple[ApiError, bool]:
+        """The API's error for a failed request, and whether a log line already carries its error id."""
+        if isinstance(exc, ApiError):
+            return exc, False
+        if isinstance(exc, EngineFailure):  # the engine or the worker logged the traceback with the id
+            return from_engine(exc), True
+        if isinstance(exc, EngineError):
+            return from_engine(exc), False
+        if isinstance(exc, StorageError):  # the shared encoder-cache folder: full (507) or unwritable (503)
+            kind = "insufficient_storage" if exc.status == 507 else "unavailable"
+            return ApiError(exc.status, kind, exc.message, exc.code, headers={"Retry-After": "5"}), False
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            return ApiError(504, "timeout", f"the request took longer than {self.settings.request_timeout_s:g}s "
+                                            "(--request-timeout-s)", "timeout"), False
+        if isinstance(exc, WorkerDied):  # a worker encoding the response: never the request's doing
+            return from_engine(WorkerLost(f"encoding the response: {exc}")), False
+        error_id = new_error_id()
+        if isinstance(exc, JobFailed):  # a bug in a worker's job: its traceback came back with it
+            log.error("internal error %s: %s\n%s", error_id, exc, exc.details)
+        else:
             log.exception("internal error %s", error_id)
-            return ApiError(500, "internal", f"internal error {error_id}: {type(exc).__name__}", "internal",
-                            error_id=error_id).response()
+        return ApiError(500, "internal", f"internal error {error_id}: {type(exc).__name__}", "internal",
+                        error_id=error_id), True
 
     async def handle_encode(self, request: Request) -> Response:
         self.check_auth(request)
@@ -276,8 +298,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (422, "invalid request or item (the error names the item index)"),
         (429, "over --max-queued-tokens or --max-concurrent-requests; see Retry-After"),
         (500, "internal error; error_id is logged with the traceback"),
-        (503, "starting or shutting down, the engine running the request exited (engine_failed), or the "
-              "--ec-shared-storage folder cannot be written (storage_unavailable)"),
+        (503, "starting or shutting down, the engine running the request exited (engine_failed), a worker "
+              "process was lost (worker_lost), or the --ec-shared-storage folder cannot be written "
+              "(storage_unavailable)"),
         (504, "over --request-timeout-s"),
         (507, "the --ec-shared-storage folder, or /dev/shm, is full (insufficient_storage); nothing was written"),
     ]

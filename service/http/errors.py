@@ -1,9 +1,14 @@
 """The API's errors: one JSON shape for every error status, `{"error": {"type", "message", "index", "code"}}`,
 and the mapping from the engine's exceptions and from validation failures (JSON bodies, multipart
-options, FastAPI's own) onto it."""
+options, FastAPI's own) onto it.
+
+A 4xx is for what the client can change. Anything else is the server's (5xx) and carries an `error_id`
+that one log line at WARNING or above also carries (`server_fault`): an operator finds what happened
+from the id a client reports."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,8 +22,12 @@ from service.engine.types import (
     Overloaded,
     RequestRejected,
     StorageFull,
+    WorkerLost,
+    new_error_id,
 )
 from service.http.schemas import VIDEO_ONLY
+
+log = logging.getLogger("vitserve.http")
 
 
 class ApiError(Exception):
@@ -33,6 +42,17 @@ class ApiError(Exception):
         if self.error_id:
             body["error_id"] = self.error_id
         return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+
+
+def server_fault(error: ApiError, logged: bool = False) -> ApiError:
+    """`error` (a 5xx) with an error id, and one WARNING line that carries it unless a line with the id
+    was `logged` where the fault happened (an engine's or a worker's traceback)."""
+    if error.error_id is None:
+        error.error_id = new_error_id()
+    if not logged:
+        log.warning("answered %d %s (%s), error id %s: %s", error.status, error.type, error.code, error.error_id,
+                    error.message)
+    return error
 
 
 class ClientGone(Exception):
@@ -60,6 +80,8 @@ def from_engine(exc: Exception) -> ApiError:
         return ApiError(500, "internal", exc.message, exc.code, error_id=exc.error_id)
     if isinstance(exc, EngineDied):  # one engine of several exited: a retry lands on another
         return ApiError(503, "engine_failed", exc.message, exc.code, headers={"Retry-After": "1"})
+    if isinstance(exc, WorkerLost):  # a fresh worker replaces it at once
+        return ApiError(503, "unavailable", exc.message, exc.code, headers={"Retry-After": "1"})
     raise TypeError(exc)
 
 

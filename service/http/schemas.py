@@ -165,7 +165,7 @@ class ErrorBody(BaseModel):
     message: str
     index: int | None = Field(None, description="the offending item, for invalid_item")
     code: str | None = Field(None, description="stable machine code")
-    error_id: str | None = Field(None, description="internal errors: the id logged with the traceback")
+    error_id: str | None = Field(None, description="5xx: the id that one line of the server's log carries")
 
 
 class ErrorResponse(BaseModel):

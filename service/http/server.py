@@ -165,8 +165,10 @@ def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> uvico
     limits = HeadLimits(max_bytes=settings.max_header_bytes, max_line_bytes=settings.max_header_line_bytes,
                         max_fields=settings.max_header_fields, timeout_s=settings.header_timeout_s,
                         max_connections=settings.max_connections)
+    service = getattr(getattr(app, "state", None), "service", None)  # None: a bare app (tests)
+    on_drop = (lambda reason: service.metrics.connections_dropped.labels(reason).inc()) if service else None
     options: dict[str, Any] = dict(
-        host=settings.host, port=settings.port, http=limited_protocol(limits), log_config=None,
+        host=settings.host, port=settings.port, http=limited_protocol(limits, on_drop), log_config=None,
         log_level=settings.log_level, timeout_graceful_shutdown=10, server_header=False,
         timeout_keep_alive=settings.keep_alive_timeout_s, access_log=settings.log_level in ("debug", "trace"))
     return uvicorn.Config(app, **{**options, **overrides})

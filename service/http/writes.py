@@ -100,6 +100,7 @@ class ThreadedWrites:
         self._writing = False  # a writer thread holds buffers of this connection
         self._flush_scheduled = False
         self._close_asked = False
+        self.closed_here = False  # close() or abort() was called: this side ended the connection
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -176,6 +177,7 @@ class ThreadedWrites:
 
     # ---- what depends on bytes not yet given to the transport -------------------------------------
     def close(self) -> None:
+        self.closed_here = True
         if self._writing or self._queue:
             self._close_asked = True
         else:
@@ -185,6 +187,7 @@ class ThreadedWrites:
         return self._close_asked or self._transport.is_closing()
 
     def abort(self) -> None:
+        self.closed_here = True
         self._queue.clear()
         self._transport.abort()
 
