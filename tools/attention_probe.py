@@ -8,6 +8,9 @@ they measure cuDNN on Qwen2.5-VL's windows too, which the cudnn backend hands to
 
     python tools/attention_probe.py [OUT.json]        (default: $OUT/attention_probe.json)
 
+Use it on a new GPU, a new torch or cuDNN, or before changing `--attention auto`'s rule: it says which
+backend wins per workload and whether the cuDNN plans still capture.
+
 Each family of candidates runs in a child process of its own with a time budget, so a crash, a
 poisoned CUDA context or a hang in one costs only its own results; inside a child every candidate
 is guarded (its error and traceback are recorded and the run goes on) and a deadline skips what is

@@ -2,6 +2,8 @@
 
 Run from the repository root:  python3 -m tools.bench_preprocess [--runs 60]
 
+Use it after a change to image decoding or preprocessing (service/media/images.py, image_preprocess.py).
+
 Both sides start from the same encoded JPEG bytes and include decoding. Runs of the two are
 interleaved so background load hits both alike; we report the median and the minimum in ms.
 """

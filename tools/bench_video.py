@@ -4,6 +4,8 @@ Run from the repository root:
 
     python -m tools.bench_video [--runs 3] [--qvu-path DIR ...] [--json out.json]
 
+Use it after a change to video decoding, sampling or patchifying (service/media/video*.py).
+
 The clip is synthesised with PyAV/libx264 (a panning photo-like scene, 30 fps, B-frames, x264's
 default keyframe interval) and cached in the temp dir. Measured, each as the median of --runs:
 

@@ -4,6 +4,8 @@ as there are workers. Also what the isolation costs one lone image: the job thro
 same preprocessing called in this process.
 
     python tools/bench_workers.py [--workers 1,2,4,8,14] [--images 400] [--json OUT]
+
+Use it to choose `--preprocess-workers` on a new host, or after a change to the worker pool or its jobs.
 """
 
 from __future__ import annotations

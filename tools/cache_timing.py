@@ -5,6 +5,8 @@ and then again (hits), and reads each answer's `server-timing` header: the time 
 the request's arrival to its response, so the client's own encoding and the network stay out of it.
 
     python tools/cache_timing.py --model tiny-qwen2.5-vl --device cpu --images 8 --out timing.json
+
+Use it after a change to the encoder-output cache or its lookup (a hit must stay far below a miss).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
     python tools/front_cost.py --concurrency 16 --seconds 10 [--serve-flags "..."]
 
+Use it after a change to the HTTP path (parsing, rendering, workers, fronts): it measures the server's own
+cost per request without a GPU.
+
 The server is the real one (`service.http.server`, its worker processes, the batcher, the in-process
 backend) with the tiny model's preprocessing and plan, but the engine returns zeros as wide as
 Qwen2.5-VL-7B's output (3584 columns, bf16): each 448x448 image gets the 2.4 MB answer of the GPU

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the cuda-marked tests, then the benchmark. Logs under $OUT.
+# Use it for a GPU run of record: the figures in docs/performance.md come from it (or from `vitserve bench`).
 #   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  PROFILE="model@workload ..."  CHUNKING=model
 #   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
 #   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried);

@@ -5,6 +5,8 @@ render adds (read 1.8 MB from /dev/shm, base64 it).
 
     OUT=out python3 tools/loopback_floor.py [port]
 
+Use it on a new host before reading `vitserve bench --http`'s c=1 figure: it is that figure's floor there.
+
 What `vitserve bench --http`'s c=1 target ("p50 at most 2 ms above the engine alone") leaves for
 everything else, since the engine alone pays none of this. Prints one JSON object, also written to
 $OUT/loopback_floor.json.

@@ -2,6 +2,8 @@
 
     python tools/speedscope_summary.py http_pyspy.json [--top 25] [--min-samples 200] > summary.txt
 
+Use it on the profile `HTTP_PYSPY=1 tools/gpu_run.sh` writes (or any `py-spy record --format speedscope`).
+
 For each thread with at least --min-samples samples: the top frames by self samples (where the thread
 was) and by inclusive samples (what it was inside), as percentages of the thread's samples."""
 
