@@ -43,7 +43,7 @@ log = logging.getLogger("vitserve.engine")
 
 # Batches per engine on its device: one running, two staged behind it. With one staged, two GPUs behind
 # 256 clients sat idle between small batches while the next was packed, sent and read in (two GPUs at
-# 1.81x one with one staged, 1.88x with two; docs/performance.md).
+# 1.81x one with one staged, 1.88x with two, measured on two H200s).
 MAX_INFLIGHT = 3
 
 
