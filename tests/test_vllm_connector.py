@@ -15,14 +15,13 @@ import json
 import os
 import subprocess
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load, load_file
 
 from tests.checkpoints import write_vllm_model_folder
-from tests.http_helpers import ROOT, ServerThread, image_bytes, settings
-from tests.test_vllm_handoff import HOW, vllm_python
+from tests.http_helpers import ROOT, ServerThread, image_bytes, loopback_http_server, server_url, settings
+from tests.test_vllm_handoff import HOW, Recorder, vllm_python
 from tests.videos import make_video
 
 MODEL = "tiny-qwen3-vl"
@@ -39,8 +38,17 @@ def data_url(data: bytes, mime: str) -> str:
 def run(tmp_path_factory):
     python = vllm_python()
     work = tmp_path_factory.mktemp("vllm-connector")
-    with ServerThread(settings(model=MODEL, cache_bytes=64 << 20, api_key="secret")) as srv, \
+    with loopback_http_server(Recorder) as llm, \
+            ServerThread(settings(model=MODEL, cache_bytes=64 << 20, api_key="secret",
+                                  llm_url=server_url(llm))) as srv, \
             srv.client(headers={"Authorization": "Bearer secret"}) as c:
+        llm.bodies = []  # type: ignore[attr-defined]
+        proxied = c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What happens?"},
+            {"type": "image_url", "image_url": {"url": data_url(IMAGES[1], "image/png")}},
+            {"type": "video_url", "video_url": {"url": data_url(VIDEO, "video/mp4")}}]}]})
+        assert proxied.status_code == 200, proxied.text
+        forwarded = llm.bodies[-1]  # type: ignore[attr-defined]
         items = [{"type": "image", "image": base64.b64encode(IMAGES[0]).decode()},
                  {"type": "image", "image": base64.b64encode(IMAGES[1]).decode()},
                  {"type": "video", "video": base64.b64encode(VIDEO).decode()}]
@@ -53,6 +61,7 @@ def run(tmp_path_factory):
             {"name": "unknown", "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "Describe."},
                 {**parts[0], "uuid": UNKNOWN}]}]},
+            {"name": "proxy", "messages": forwarded["messages"]},
         ]
         request = {"model_dir": str(write_vllm_model_folder(MODEL, work / MODEL)),
                    "extra": {"url": srv.url, "api_key": "secret"}, "chats": chats,
@@ -64,9 +73,8 @@ def run(tmp_path_factory):
         if proc.returncode != 0 or not proc.stdout.strip():
             pytest.fail(f"the connector's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
         report = json.loads(proc.stdout.strip().splitlines()[-1])
-        fetches = httpx.get(srv.url + "/metrics").text
-    return {"parts": parts, "served": served, "report": report, "tensors": load_file(request["tensors_out"]),
-            "metrics": fetches}
+    return {"parts": parts, "served": served, "forwarded": forwarded, "report": report,
+            "tensors": load_file(request["tensors_out"])}
 
 
 def test_created_by_vllms_factory_and_loads_exactly_what_vitserve_serves(run):
@@ -96,3 +104,18 @@ def test_an_unknown_id_is_not_in_the_cache_and_fails_its_request(run):
 def test_the_connector_imports_nothing_of_the_server(run):
     assert set(run["report"]["service_modules"]) == {"service", "service.handoff", "service.handoff.ec_client",
                                                      "service.handoff.vllm_connector"}
+
+
+def test_the_request_the_proxy_forwards_is_parsed_and_loaded_by_a_consumer(run):
+    """The proxy's rewrite (an image, and a video with Qwen3-VL's timestamps) passes vLLM's chat parser and
+    processor as an encoder-cache consumer parses it, and the connector loads every item."""
+    case = run["report"]["chats"]["proxy"]
+    assert case["ok"], case.get("error", "") + case.get("traceback", "")
+    content = run["forwarded"]["messages"][0]["content"]
+    assert [p["type"] for p in content] == ["text", "image_embeds", "video_embeds"]
+    assert len(content[2]["video_embeds"]["timestamps"]) == content[2]["video_embeds"]["video_grid_thw"][0]
+    uuids = [content[1]["uuid"], content[2]["uuid"]]
+    assert [f["identifier"] for f in case["features"]] == uuids
+    assert [f["modality"] for f in case["features"]] == ["image", "video"]
+    assert case["ready"] and case["loaded"] == sorted(uuids)
+    assert uuids[0] == run["parts"][1]["uuid"]  # the same picture as the client's own vllm_ref request: one id

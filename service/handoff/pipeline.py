@@ -90,6 +90,10 @@ class Handoff:
         """Content ids are worth computing: something keys on them."""
         return self.cache.enabled or self.storage is not None or fmt in VLLM_FORMATS
 
+    async def content_ids(self, items: Sequence[MediaItem], model: ModelInfo, in_pool: InPool) -> list[str]:
+        """The items' content ids (what `encode` names them by), computed off the event loop."""
+        return await in_pool(_content_ids, items, self.identity(model))
+
     # ---- the request path --------------------------------------------------------------------
     async def encode(self, items: Sequence[MediaItem], fmt: str, model: ModelInfo, run: Run,
                      in_pool: InPool) -> list[ItemResult]:

@@ -62,12 +62,13 @@ def part_uuid(r: ItemView) -> str | None:
     return r.uuid or r.id
 
 
-def _timestamps(r: ItemView, family: str, temporal_patch_size: int) -> dict[str, list[float]]:
-    if r.modality != "video" or not takes_timestamps(family):
+def _timestamps(modality: str, grid_thw: tuple[int, int, int], meta: dict[str, Any], index: int, family: str,
+                temporal_patch_size: int) -> dict[str, list[float]]:
+    if modality != "video" or not takes_timestamps(family):
         return {}
-    stamps = grid_timestamps(r.meta, temporal_patch_size)
-    if stamps is None or len(stamps) != r.grid_thw[0]:
-        raise ValueError(f"item {r.index}: no timestamps for each of its {r.grid_thw[0]} temporal steps")
+    stamps = grid_timestamps(meta, temporal_patch_size)
+    if stamps is None or len(stamps) != grid_thw[0]:
+        raise ValueError(f"item {index}: no timestamps for each of its {grid_thw[0]} temporal steps")
     return {"timestamps": stamps}
 
 
@@ -78,7 +79,7 @@ def embeds_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[
     payload: dict[str, Any] = {
         f"{kind}_embeds": torch_b64(r.joined),
         f"{kind}_grid_thw": torch_b64(torch.tensor(r.grid_thw, dtype=torch.int64)),
-        **_timestamps(r, family, temporal_patch_size),
+        **_timestamps(r.modality, r.grid_thw, r.meta, r.index, family, temporal_patch_size),
     }
     part: dict[str, Any] = {"type": f"{kind}_embeds", f"{kind}_embeds": payload}
     uuid = part_uuid(r)
@@ -88,12 +89,19 @@ def embeds_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[
 
 
 def ref_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[str, Any]:
-    """`encoding_format: "vllm_ref"`: metadata only; the tensor waits in the shared folder under `uuid`."""
-    kind = r.modality
+    """`encoding_format: "vllm_ref"`: metadata only; the tensor waits under `uuid` (the shared folder, or
+    `GET /v1/encoder_cache/{uuid}`)."""
     uuid = part_uuid(r)
-    assert uuid is not None, "a reference part needs the uuid its file is named by"
-    payload: dict[str, Any] = {f"{kind}_grid_thw": list(r.grid_thw), **_timestamps(r, family, temporal_patch_size)}
-    return {"type": f"{kind}_embeds", f"{kind}_embeds": payload, "uuid": uuid}
+    assert uuid is not None, "a reference part needs the uuid its output is kept under"
+    return reference_part(r.modality, r.grid_thw, r.meta, uuid, family, temporal_patch_size, r.index)
+
+
+def reference_part(modality: str, grid_thw: tuple[int, int, int], meta: dict[str, Any], uuid: str, family: str,
+                   temporal_patch_size: int = 2, index: int = 0) -> dict[str, Any]:
+    """vLLM 0.33's metadata-only part for one item: the grid (and Qwen3-VL video's timestamps) and the uuid."""
+    payload: dict[str, Any] = {f"{modality}_grid_thw": list(grid_thw),
+                               **_timestamps(modality, grid_thw, meta, index, family, temporal_patch_size)}
+    return {"type": f"{modality}_embeds", f"{modality}_embeds": payload, "uuid": uuid}
 
 
 def content_part(r: ItemView, fmt: str, family: str, temporal_patch_size: int = 2) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from service.engine.core import Engine
 from service.engine.types import EngineError, EngineFailure, ItemResult, NotReady, WorkerLost, new_error_id
 from service.handoff.ec_storage import StorageError
 from service.handoff.pipeline import Handoff
-from service.http import docs, encoder_cache, encoders
+from service.http import docs, encoder_cache, encoders, openai
 from service.http.errors import (
     ApiError,
     ClientGone,
@@ -68,6 +68,7 @@ class Service:
         self.handoff = Handoff(settings, engine.names)
         metrics.attach_cache(self.handoff.stats)
         self.fetcher: UrlFetcher | None = None
+        self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown (the LLM proxy's client)
         self._api_key = settings.api_key_bytes()
         # Large request bodies are parsed off the event loop's turn (`parses_here`).
         self._parsers = ThreadPoolExecutor(2, thread_name_prefix="vitserve-parse")
@@ -326,6 +327,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
             await service.drain(settings.request_timeout_s)
             if service.fetcher is not None:
                 await service.fetcher.close()
+            for close in service.closers:
+                await close()
             engine.stop()
             service.handoff.stop()
 
@@ -407,6 +410,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
                              "settings": settings.public_dict(), **fronts})
 
     encoder_cache.install(app, service, front)
+    if settings.llm_url:
+        openai.install(app, service)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
