@@ -26,7 +26,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,11 +34,10 @@ import pybase64
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.engine.types import EngineError, ItemResult
+from service.engine.types import ItemResult
 from service.handoff.ec_client import replica_for
-from service.handoff.ec_storage import StorageError
 from service.handoff.vllm import reference_part
-from service.http.errors import ApiError, ClientGone, from_engine
+from service.http.errors import ApiError, ClientGone, server_fault
 from service.http.parsing import Parsed, Pending, check_count, decode_media
 from service.http.schemas import OutputOptions
 
@@ -56,9 +54,12 @@ HASHING_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 
 
 def openai_error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+                 headers: dict[str, str] | None = None, error_id: str | None = None) -> JSONResponse:
+    """OpenAI's error shape; a server fault's id (logged with it) rides along as `error_id`."""
+    error: dict[str, Any] = {"message": message, "type": type_, "param": param, "code": code}
+    if error_id:
+        error["error_id"] = error_id
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 class Slot:
@@ -234,25 +235,16 @@ class Proxy:
                     raise ApiError(400, "invalid_request_error", f"{name} is set: vLLM then hashes each uuid instead "
                                    "of looking it up, so the encoder cache would miss; drop it", "unsupported_field")
             parts, hits = await service.until_gone(request, self.encode(request, slots))
-        except ApiError as exc:
-            param = slots[exc.index].where if exc.index is not None and exc.index < len(slots) else None
-            return openai_error(exc.status, exc.message, exc.type, exc.code, param, exc.headers)
-        except EngineError as exc:
-            err = from_engine(exc)
-            return openai_error(err.status, err.message, err.type, err.code, None, err.headers)
-        except StorageError as exc:
-            return openai_error(exc.status, exc.message, "unavailable", exc.code, None, {"Retry-After": "5"})
-        except (asyncio.TimeoutError, TimeoutError):
-            return openai_error(504, f"encoding the request's media took longer than "
-                                     f"{service.settings.request_timeout_s:g}s (--request-timeout-s)", "timeout",
-                                "timeout")
         except ClientGone as exc:
             log.info("client went away %s (counted as 499)", exc)
             return Response(status_code=499)
-        except Exception as exc:
-            error_id = "err-" + uuid.uuid4().hex[:12]
-            log.exception("internal error %s", error_id)
-            return openai_error(500, f"internal error {error_id}: {type(exc).__name__}", "internal", "internal")
+        except Exception as exc:  # vitserve's errors, in OpenAI's shape
+            error, logged = service.api_error(exc)
+            if error.status >= 500:
+                server_fault(error, logged)
+            param = slots[error.index].where if error.index is not None and error.index < len(slots) else None
+            return openai_error(error.status, error.message, error.type, error.code, param, error.headers,
+                                error.error_id)
         for slot, part in zip(slots, parts):
             slot.content[slot.position] = part
         encoded_ms = (time.perf_counter() - started) * 1000
