@@ -5,6 +5,7 @@ a counted 404, the API key applies, an answered output outlives the cache's boun
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load, load_file
 
 from service.handoff.ec_storage import FILE_NAME, TENSOR_KEY
-from tests.http_helpers import ServerThread, b64, image_bytes, settings
+from tests.http_helpers import ServerThread, b64, image_bytes, settings, slow_engine
 from tests.test_http_cache import metrics
 
 PNG = image_bytes(96, 64, seed=31)
@@ -99,3 +100,25 @@ def test_vllm_ref_needs_the_cache_or_the_folder():
     with ServerThread(settings(cache_bytes=0)) as srv, srv.client() as c:
         r = c.post("/encode", json={"items": [{"type": "image", "image": b64(PNG)}], "encoding_format": "vllm_ref"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "storage_not_configured"
+
+
+def test_identical_items_in_flight_are_encoded_once(monkeypatch):
+    """8 concurrent requests with the same new image: one encode, the 7 others wait for it (coalesced) and
+    answer its very rows."""
+    slow_engine(monkeypatch, 0.5)  # the first encode is still running when the others arrive
+    image = b64(image_bytes(128, 96, seed=90))
+    with ServerThread(settings(cache_bytes=8 << 20)) as srv:
+
+        def one(_: int) -> httpx.Response:
+            return httpx.post(srv.url + "/encode", json={"items": [{"type": "image", "image": image}],
+                                                         "encoding_format": "base64"}, timeout=60)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(one, range(8)))
+        m = metrics(srv.url)
+    assert [r.status_code for r in answers] == [200] * 8
+    assert m["vitserve_cache_misses_total"] == 1 and m["vitserve_items_total{modality=image}"] == 1
+    assert m["vitserve_cache_coalesced_total"] + m["vitserve_cache_hits_total{source=memory}"] == 7
+    assert m["vitserve_cache_coalesced_total"] >= 5  # the requests overlapped the half-second encode
+    assert sorted(r.headers["x-vitserve-cache-hits"] for r in answers) == ["0"] + ["1"] * 7
+    assert len({r.json()["data"][0]["embedding"] for r in answers}) == 1

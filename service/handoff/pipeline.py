@@ -7,7 +7,9 @@ For each request the HTTP layer hands its items here instead of straight to the 
 2. an item whose id is in the cache (`cache.py`), or whose file in the shared folder is valid (this model,
    this content, the right grid, shape and dtype in its metadata), is answered from there: no decoding, no
    preprocessing, no GPU. Items repeated within one request run once;
-3. the rest go to the engine; their outputs are cached;
+3. the rest go to the engine; their outputs are cached. An item whose content id another request is
+   encoding right now waits for that encode and takes its output from the cache (request coalescing:
+   identical concurrent items are encoded once);
 4. with `--ec-shared-storage`, each item that needs a file there gets one before the response is sent
    (`vllm_ref`: every item; other formats: items with an `id`), unless a valid one is there already.
    Without it, `vllm_ref` items are held in the cache for the LLM server to fetch
@@ -19,6 +21,7 @@ segments; `release` hands them back (to the cache, or unlinked) once the respons
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import Counter, OrderedDict
@@ -58,6 +61,8 @@ class Handoff:
         self.misses = 0
         self.aliases: OrderedDict[str, str] = OrderedDict()  # client id -> content id (vllm_ref, no folder)
         self.fetches = {"hit": 0, "miss": 0}  # GET /v1/encoder_cache/{id}
+        self._inflight: dict[str, asyncio.Future[None]] = {}  # content id -> done when its encode is
+        self.coalesced = 0  # items that waited for another request's encode of the same content
 
     def start(self) -> None:
         if self.storage is not None:
@@ -109,7 +114,8 @@ class Handoff:
         uuids = [it.id or cid for it, cid in zip(items, cids)]
         n = len(items)
         entries: dict[str, CachedOutput] = {}
-        source: list[str | None] = [None] * n  # memory | storage | request (a repeat), None: the engine ran it
+        # memory | storage | request (a repeat) | coalesced (another request's encode); None: the engine ran it
+        source: list[str | None] = [None] * n
         leaders: dict[str, int] = {}
         for i, cid in enumerate(cids):
             if cid in leaders:
@@ -130,12 +136,21 @@ class Handoff:
                     entries[cids[i]] = self._keep(cids[i], entry)
                     source[i] = "storage"
                     stored.add(uuids[i])
-            misses = [i for i in leaders.values() if cids[i] not in entries]
-            if misses:
-                for i, r in zip(misses, await run([items[i] for i in misses])):
-                    results[i] = r
-                    entries[cids[i]] = self._keep(cids[i], CachedOutput(r.modality, r.grid_thw, r.num_patches,
-                                                                         r.num_tokens, r.meta, r.output))
+            wanted = [i for i in leaders.values() if cids[i] not in entries]
+            # An item another request is encoding now waits for that encode and reads the cache after it.
+            waits = {i: self._inflight[cids[i]] for i in wanted if cids[i] in self._inflight and self.cache.enabled}
+            misses = [i for i in wanted if i not in waits]
+            await self._run_leading(misses, items, cids, results, entries, run)
+            for i, done in waits.items():
+                await asyncio.shield(done)
+                entry = self.cache.get(cids[i])
+                if entry is not None:
+                    entries[cids[i]] = entry
+                    source[i] = "coalesced"
+            late = [i for i in waits if source[i] != "coalesced"]  # the leader failed, or its entry is gone
+            await self._run_leading(late, items, cids, results, entries, run)
+            misses += late
+            self.coalesced += len(waits) - len(late)
             for i in range(n):
                 if results[i] is None:
                     entry = entries[cids[i]]
@@ -149,7 +164,7 @@ class Handoff:
                 r.content_id, r.uuid, r.cached = cids[i], uuids[i], source[i] is not None
             self.misses += len(misses)
             for s in source:
-                if s is not None:
+                if s in ("memory", "storage", "request"):
                     self.hits["storage" if s == "storage" else "memory"] += 1
             if fmt == "vllm_ref":
                 self._hold(items, cids, uuids)
@@ -164,6 +179,27 @@ class Handoff:
             self.release([r for r in results if r is not None])
             raise
         return results  # type: ignore[return-value]
+
+    async def _run_leading(self, misses: list[int], items: Sequence[MediaItem], cids: list[str],
+                           results: list[ItemResult | None], entries: dict[str, CachedOutput], run: Run) -> None:
+        """The engine runs `misses`; meanwhile each is in flight under its content id for other requests to
+        wait on (`_inflight`), released when the outputs are cached, or when the run fails."""
+        if not misses:
+            return
+        mine: dict[str, asyncio.Future[None]] = {}
+        if self.cache.enabled:
+            loop = asyncio.get_running_loop()
+            for i in misses:
+                mine[cids[i]] = self._inflight[cids[i]] = loop.create_future()
+        try:
+            for i, r in zip(misses, await run([items[i] for i in misses])):
+                results[i] = r
+                entries[cids[i]] = self._keep(cids[i], CachedOutput(r.modality, r.grid_thw, r.num_patches,
+                                                                     r.num_tokens, r.meta, r.output))
+        finally:
+            for cid, done in mine.items():
+                del self._inflight[cid]
+                done.set_result(None)
 
     def _hold(self, items: Sequence[MediaItem], cids: list[str], uuids: list[str]) -> None:
         """Answered by reference: each output stays for the LLM server's fetch (`EncoderCache.hold`), under its
@@ -319,7 +355,7 @@ class Handoff:
     def stats(self) -> dict[str, Any]:
         return {"hits": dict(self.hits), "misses": self.misses, "memory": self.cache.stats(),
                 "storage": self.storage.stats() if self.storage is not None else None,
-                "fetches": dict(self.fetches)}
+                "fetches": dict(self.fetches), "coalesced": self.coalesced}
 
     def info(self) -> dict[str, Any]:
         """/info: the cache's settings and counters."""
