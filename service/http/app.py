@@ -232,11 +232,13 @@ class Service:
             body = await self.encoded(owner, here, "safetensors_file", "encode_safetensors",
                                       shared, header, model.out_hidden_size)
             return PartsResponse([body], encoders.SAFETENSORS_MEDIA_TYPE, headers)
-        entries = await asyncio.gather(*(
-            self.encoded(owner, here, "item_json", "encode_item", fields, out.encoding_format, out.dtype,
-                         out.include_deepstack, model.out_hidden_size, self.engine.family,
-                         model.processor.temporal_patch_size)
-            for fields in shared))
+        args = (out.encoding_format, out.dtype, out.include_deepstack, model.out_hidden_size, self.engine.family,
+                model.processor.temporal_patch_size)
+        if out.encoding_format == "vllm_ref":  # metadata only, microseconds: no thread or worker round trip
+            entries: list[Any] = [b"".join(jobs.item_json(fields, *args)) for fields in shared]
+        else:
+            entries = await asyncio.gather(*(self.encoded(owner, here, "item_json", "encode_item", fields, *args)
+                                             for fields in shared))
         parts = json_parts({"id": request_id, "model": self.settings.model_name}, entries,
                            {"usage": encoders.usage(results)})
         return PartsResponse(parts, "application/json", headers)

@@ -142,13 +142,25 @@ def views(results: list[dict[str, Any]], hidden: int, dtype: torch.dtype) -> lis
     return out
 
 
+def shape_view(result: dict[str, Any], hidden: int) -> ItemView:
+    """An item's view without its rows: tensors of the right shapes on the meta device (no memory)."""
+    ref = result["output"]
+    levels = [torch.empty((ref.rows, hidden), device="meta") for _ in range(max(1, ref.width // hidden))]
+    return ItemView(result["index"], result["modality"], result["id"], tuple(result["grid_thw"]),  # type: ignore[arg-type]
+                    result["num_patches"], result["num_tokens"], result["meta"], levels[0], levels[1:],
+                    torch.empty((ref.rows, ref.width), device="meta"), result.get("content_id"), result.get("uuid"))
+
+
 def item_json(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int, family: str,
               temporal_patch_size: int) -> list[bytes]:
     """One item's JSON entry in a response, in parts (`encoders.spliced_parts`: a megabytes-long base64
     payload is not copied into one joined body)."""
     from service.http import encoders
 
-    item, = views([result], hidden, encoders.DTYPES[dtype])
+    if fmt == "vllm_ref":  # metadata only: reading (and casting) the rows cost milliseconds for nothing
+        item = shape_view(result, hidden)
+    else:
+        item, = views([result], hidden, encoders.DTYPES[dtype])
     parts = encoders.spliced_parts(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
                                                        temporal_patch_size))
     _release([result])
