@@ -19,13 +19,14 @@
 # give `docker stop -t` at least VITSERVE_REQUEST_TIMEOUT_S plus a margin.
 
 # The runtime image brings the CUDA user-space libraries and the variables the NVIDIA container toolkit reads
-# (NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES). The host driver must support CUDA 12.8.
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# (NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES). The host driver must support CUDA 13.0 (R580 or newer).
+ARG BASE_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-# The CUDA build of PyTorch, from the PyTorch index; its CUDA version matches the base image's.
-ARG TORCH_SPEC=torch==2.9.1
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# The CUDA build of PyTorch, from the PyTorch index; its CUDA version matches the base image's. TORCH_SPEC
+# empty: the project's one pin, docker/torch.txt (CI installs the CPU build of the same version).
+ARG TORCH_SPEC=""
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -49,10 +50,12 @@ RUN apt-get update \
 
 WORKDIR /opt/vitserve
 
-# Dependencies only: this layer depends on pyproject.toml and the install script, not on the source code.
+# Dependencies only: this layer depends on pyproject.toml, the torch pin and the install script, not on the
+# source code. The `cuda` extra brings cuDNN's fused attention, which `--attention auto` serves on Hopper
+# when it passes its load-time check; the start-up log names the backend in use ("attention: cudnn").
 COPY pyproject.toml ./
-COPY docker/install-deps.sh ./docker/
-RUN TORCH_INDEX_URL="$TORCH_INDEX_URL" bash docker/install-deps.sh "$TORCH_SPEC"
+COPY docker/install-deps.sh docker/torch.txt ./docker/
+RUN TORCH_INDEX_URL="$TORCH_INDEX_URL" EXTRAS=cuda bash docker/install-deps.sh "$TORCH_SPEC"
 
 # The package itself, without touching the dependencies installed above.
 # README.md is the package's long description; the glob lets a checkout without one build too.

@@ -6,9 +6,12 @@
 # so a broken install line fails CI instead of the first image build.
 #
 # Usage: docker/install-deps.sh [--dry-run] [TORCH_SPEC]
-#   TORCH_SPEC       the torch requirement, e.g. torch==2.9.1 (or env TORCH_SPEC; the argument wins)
-#   TORCH_INDEX_URL  env: the index torch is taken from, e.g. https://download.pytorch.org/whl/cu128;
+#   TORCH_SPEC       the torch requirement, e.g. torch==2.13.0 (or env TORCH_SPEC; the argument wins);
+#                    neither: the pin in docker/torch.txt, next to this script
+#   TORCH_INDEX_URL  env: the index torch is taken from, e.g. https://download.pytorch.org/whl/cu130;
 #                    empty or unset: pip's configured index (PyPI)
+#   EXTRAS           env: optional-dependency groups of pyproject.toml to install too, e.g. "cuda"
+#                    (installed with --no-deps: the cuda group's wheel needs nothing more at run time)
 #   PYPROJECT        env: path of pyproject.toml (default: pyproject.toml in the current directory)
 #   PYTHON           env: the interpreter whose pip installs (default: python3)
 #   --dry-run        run every pip line with `pip install --dry-run`: resolve, change nothing
@@ -20,8 +23,12 @@ if [[ "${1:-}" == "--dry-run" ]]; then
     shift
 fi
 torch_spec="${1:-${TORCH_SPEC:-}}"
+pin_file="$(dirname "$0")/torch.txt"
+if [[ -z "$torch_spec" && -f "$pin_file" ]]; then
+    torch_spec="$(grep -v '^[[:space:]]*\(#\|$\)' "$pin_file" | head -n 1)"
+fi
 if [[ -z "$torch_spec" ]]; then
-    echo "usage: $0 [--dry-run] TORCH_SPEC   (e.g. torch==2.9.1; or set TORCH_SPEC)" >&2
+    echo "usage: $0 [--dry-run] TORCH_SPEC   (e.g. torch==2.13.0; or set TORCH_SPEC, or keep docker/torch.txt)" >&2
     exit 2
 fi
 python="${PYTHON:-python3}"
@@ -57,3 +64,19 @@ print("\n".join(deps))
 PY
 printf '%s\n' "$torch_spec" >"$workdir/constraints.txt"
 "${pip_install[@]}" -r "$workdir/requirements.txt" -c "$workdir/constraints.txt"
+
+# 3. the optional groups named in EXTRAS (the image: "cuda", for cuDNN's fused attention).
+if [[ -n "${EXTRAS:-}" ]]; then
+    "$python" - "$pyproject" "$EXTRAS" >"$workdir/extras.txt" <<'PY'
+import sys
+import tomllib
+
+with open(sys.argv[1], "rb") as f:
+    groups = tomllib.load(f)["project"].get("optional-dependencies", {})
+for name in sys.argv[2].replace(",", " ").split():
+    if name not in groups:
+        sys.exit(f"no optional-dependencies group {name!r} in {sys.argv[1]} (there are: {', '.join(groups)})")
+    print("\n".join(groups[name]))
+PY
+    "${pip_install[@]}" --no-deps -r "$workdir/extras.txt" -c "$workdir/constraints.txt"
+fi

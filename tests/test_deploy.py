@@ -41,8 +41,11 @@ FULL_VALUES = ROOT / "tests" / "data" / "helm-values-full.yaml"
 SIDECAR_VALUES = CHART / "examples" / "sidecar-values.yaml"
 DOCS = ROOT / "docs" / "deployment.md"
 
-# The CPU build of torch that CI installs (from local disk on the CI machine).
-CI_TORCH_SPEC = "torch==2.13.0"
+# The project's one torch pin: CI installs its CPU build (from local disk on the CI machine), the image its
+# CUDA build.
+TORCH_PIN = ROOT / "docker" / "torch.txt"
+CI_TORCH_SPEC = next(line.strip() for line in TORCH_PIN.read_text().splitlines()
+                     if line.strip() and not line.lstrip().startswith("#"))
 # Oldest Kubernetes minor the rendered manifests must be valid for.
 MIN_KUBE_VERSION = "1.30"
 
@@ -143,10 +146,12 @@ def test_dockerfile_base_python_and_torch_pin() -> None:
     )
     base = args["BASE_IMAGE"]
     match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-ubuntu(22|24)\.04", base)
-    assert match, f"base image {base!r} is not a CUDA 12 runtime Ubuntu image"
+    assert match, f"base image {base!r} is not a CUDA 12 or 13 runtime Ubuntu image"
     cuda_major, cuda_minor = match.group(1), match.group(2)
-    assert cuda_major == "12"
-    assert re.fullmatch(r"torch==\d+\.\d+\.\d+", args["TORCH_SPEC"]), "torch must be pinned exactly"
+    assert cuda_major in ("12", "13")
+    # One pin: the image takes docker/torch.txt's (an empty TORCH_SPEC), exactly pinned.
+    assert args["TORCH_SPEC"] == '""', "leave TORCH_SPEC empty: docker/torch.txt is the one pin"
+    assert re.fullmatch(r"torch==\d+\.\d+\.\d+", CI_TORCH_SPEC), "torch must be pinned exactly"
     index = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", args["TORCH_INDEX_URL"])
     assert index, args["TORCH_INDEX_URL"]
     assert index.group(1) == cuda_major + cuda_minor, "torch's CUDA build must match the base image"
@@ -161,9 +166,11 @@ def test_dockerfile_layers_deps_before_source() -> None:
 
     deps_run = next(i for i, (w, rest) in enumerate(instructions) if w == "RUN" and "install-deps.sh" in rest)
     assert "$TORCH_SPEC" in instructions[deps_run][1] and "TORCH_INDEX_URL" in instructions[deps_run][1]
+    assert "EXTRAS=cuda" in instructions[deps_run][1], "the image serves cuDNN attention: install the cuda extra"
     copies_before = [rest for w, rest in instructions[:deps_run] if w == "COPY"]
     copied_before = {src for rest in copies_before for src in shlex.split(rest)[:-1]}
-    assert copied_before <= {"pyproject.toml", "docker/install-deps.sh"}, copied_before
+    assert copied_before <= {"pyproject.toml", "docker/install-deps.sh", "docker/torch.txt"}, copied_before
+    assert "docker/torch.txt" in copied_before
 
     copied_after = {
         src.rstrip("/")
@@ -246,13 +253,12 @@ def test_dockerignore_admits_what_is_copied() -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def test_install_deps_script_lints() -> None:
-    assert os.access(INSTALL_DEPS, os.X_OK), (
-        "docker/install-deps.sh must be executable (the Dockerfile runs it)"
-    )
-    proc = _run(["bash", "-n", str(INSTALL_DEPS)])
+@pytest.mark.parametrize("script", [INSTALL_DEPS, ROOT / "docker" / "check-image-steps.sh"], ids=lambda p: p.name)
+def test_docker_scripts_lint(script: Path) -> None:
+    assert os.access(script, os.X_OK), f"{script.relative_to(ROOT)} must be executable"
+    proc = _run(["bash", "-n", str(script)])
     assert proc.returncode == 0, proc.stderr
-    proc = _run([_tool("shellcheck"), "--severity=style", str(INSTALL_DEPS)])
+    proc = _run([_tool("shellcheck"), "--severity=style", str(script)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -289,8 +295,35 @@ def test_install_deps_fails_on_a_broken_line(tmp_path: Path) -> None:
     proc = _install_deps("--dry-run", CI_TORCH_SPEC, pyproject=bad)
     assert proc.returncode != 0
 
-    usage = _install_deps("--dry-run")  # no torch spec
+    missing = tmp_path / "lone-install-deps.sh"  # no docker/torch.txt next to it, no torch spec
+    missing.write_text(INSTALL_DEPS.read_text())
+    env = dict(os.environ, PYTHON=sys.executable, PYPROJECT=str(ROOT / "pyproject.toml"))
+    env.pop("TORCH_SPEC", None)
+    usage = _run(["bash", str(missing), "--dry-run"], timeout=60, env=env, cwd=ROOT)
     assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_install_deps_takes_the_pin_and_the_cuda_extra() -> None:
+    """Without a torch spec the script takes docker/torch.txt's; EXTRAS=cuda adds cuDNN's frontend, as in
+    the image."""
+    env = dict(os.environ, PYTHON=sys.executable, PYPROJECT=str(ROOT / "pyproject.toml"), EXTRAS="cuda")
+    env.pop("TORCH_INDEX_URL", None)
+    env.pop("TORCH_SPEC", None)
+    proc = _run(["bash", str(INSTALL_DEPS), "--dry-run"], timeout=300, env=env, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert re.search(r"(?i)nvidia[-_]cudnn[-_]frontend", output), output[-2000:]
+    env["EXTRAS"] = "no-such-group"
+    proc = _run(["bash", str(INSTALL_DEPS), "--dry-run"], timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode != 0 and "no-such-group" in proc.stderr
+
+
+def test_one_torch_pin_for_ci_readme_and_image() -> None:
+    """CI installs docker/torch.txt; the README's CPU install names the same version."""
+    assert "-r docker/torch.txt" in (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"torch==(\d+\.\d+\.\d+)", readme))
+    assert named == {CI_TORCH_SPEC.removeprefix("torch==")}, named
 
 
 # --------------------------------------------------------------------------------------------------------

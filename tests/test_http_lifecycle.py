@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,6 +53,7 @@ def test_sigterm_drains_without_losing_accepted_requests():
     assert code == 0, log
     assert "draining" in log
     assert "no --model given: serving the embedded tiny-qwen2-vl preset" in log
+    assert re.search(r"loaded tiny-qwen2-vl \(qwen2_vl\) on cpu, attention: sdpa, in ", log), log  # the backend in use
 
 
 def test_bad_settings_exit_2_before_loading():

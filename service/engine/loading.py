@@ -36,8 +36,9 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     while True:
         plan = plan_for(tower, max_tokens, budgets, items, s.t_capture)
         runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
-        log.info("loaded %s (%s) on %s in %.1fs; %s", s.model, tower.family, device, time.perf_counter() - t0,
-                 runner.capture_plan())
+        # The backend in use, whatever --attention asked for (auto may have fallen back): operators check it.
+        log.info("loaded %s (%s) on %s, attention: %s, in %.1fs; %s", s.model, tower.family, device, tower.backend,
+                 time.perf_counter() - t0, runner.capture_plan())
         # Under a budget, calibration waits for the captures to fit: it runs a full batch, eagerly where
         # a capture failed, which would run out of the same memory.
         runner.capture(calibrate=not capped, stop_at_out_of_memory=capped)
