@@ -215,12 +215,20 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--http", action="store_true", help="load-test `vitserve serve` over HTTP on loopback against "
                                                        "the engine alone; writes OUT/http_bench.json")
     p.add_argument("--url", default=None, help="with --http: an already running server on a loopback address")
-    p.add_argument("--model", default=None, help="with --http: model to serve (default random:qwen2.5-vl-7b on a "
-                                                 "GPU, tiny-qwen2-vl on the CPU)")
+    p.add_argument("--model", default=None, help="with --http or --cache: model to serve (default "
+                                                 "random:qwen2.5-vl-7b on a GPU, tiny-qwen2-vl on the CPU)")
     p.add_argument("--concurrency", default=None, help="with --http: comma list (default 1,2,4,...,256)")
     p.add_argument("--requests-per-level", type=int, default=None, help="with --http: requests per level (1024)")
     p.add_argument("--level-time-s", type=float, default=None, help="with --http: time limit per level (30)")
-    p.add_argument("--serve-flags", default=None, help="with --http: more `vitserve serve` flags, one string")
+    p.add_argument("--serve-flags", default=None, help="with --http or --cache: more `vitserve serve` flags, one "
+                                                       "string")
+    # Encoder-output cache hit against miss (service/bench/cache.py); runs on a CPU machine too.
+    p.add_argument("--cache", action="store_true", help="time an encoder-output cache hit against a miss in "
+                                                        "`vitserve serve` (server-side, one request at a time); "
+                                                        "writes OUT/cache_bench.json")
+    p.add_argument("--cache-images", type=int, default=8, help="with --cache: distinct 448x448 JPEGs (default 8)")
+    p.add_argument("--encoding-format", default="base64", choices=["float", "base64", "vllm", "vllm_ref"],
+                   help="with --cache: the answers' format (default base64; vllm_ref adds a shared folder)")
     p.add_argument("--client-processes", type=int, default=1,
                    help="with --http: client processes sharing each level's connections (default 1; one process "
                         "of Python client threads tops out near 500 images/s of 448x448 bf16 answers)")
@@ -229,6 +237,13 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.http and args.cache:
+        print("error: --http and --cache are two benchmarks: run them one at a time", file=sys.stderr)
+        return 2
+    if args.cache:
+        from service.bench.cache import run_from_args as run_cache
+
+        return run_cache(args)
     if args.http:
         from service.bench.http import run_from_args
 

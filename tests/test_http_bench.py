@@ -210,3 +210,20 @@ def test_the_share_of_loop_lag_samples_over_25_ms_comes_from_the_histograms_buck
     means = stage_means(before, after, wall_s=3.0)
     assert means["loop_lag_over_25ms"] == 0.2
     assert means["loop_lag"] == round(1.0 / 30 * 1e3, 3)
+
+
+def test_the_cache_bench_times_hits_against_misses(tmp_path):
+    """`vitserve bench --cache` on the CPU: one image missed, then hit; the server's own times."""
+    from service.bench import cache
+
+    out = tmp_path / "cache.json"
+    result = cache.run(model="tiny-qwen2-vl", images=1, serve_flags=["--device", "cpu"], out=out, log=lambda s: None)
+    assert json.loads(out.read_text()) == result
+    assert result["images"] == 1 and result["encoding_format"] == "base64"
+    assert 0 < result["hit"]["server"]["median_ms"] and 0 < result["miss"]["server"]["median_ms"]
+    assert result["speedup_median"] > 0
+
+
+def test_the_cache_and_http_benches_run_one_at_a_time(capsys):
+    assert main(["bench", "--http", "--cache"]) == 2
+    assert "one at a time" in capsys.readouterr().err
