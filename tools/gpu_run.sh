@@ -6,7 +6,7 @@
 #   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried);
 #   HTTP_VARIANTS="label=serve flags|...": one run per variant; HTTP_CLIENTS: client processes
 #   HTTP_REQUESTS: a level stops after this many requests or HTTP_LEVEL_S, whichever first (default: time)
-#   HTTP_PYSPY=1: profile that run, server and client, with py-spy (carry its wheel: device-wheels.sh py-spy);
+#   HTTP_PYSPY=1: profile that run, server and client, with py-spy (carry its wheel);
 #   HTTP_PYSPY=gil: sample only the thread holding the GIL (where a GIL-bound server spends it)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
