@@ -67,6 +67,8 @@ class Family:
     video_sampling: Literal["qwen2", "qwen3", "glm4v"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
+    # transformers' image processor class whose output the server reproduces (the reference in tests)
+    image_processor: str = "Qwen2VLImageProcessor"
     # transformers' class of the whole model (what save_pretrained writes; the reference in tests and bench)
     hf_class: str = ""
     # The tower class; a family with parts of its own gives a subclass of models.tower.QwenTower.

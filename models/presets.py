@@ -38,6 +38,20 @@ class Preset:
     video_preprocessor: dict[str, Any] | None = None
 
 
+# Released vision configs (config.json's vision_config) by family.
+QWEN2_5_VL_7B = dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, num_heads=16,
+                     patch_size=14, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
+QWEN3_VL_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                       num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
+DEEPSTACK = dict(deepstack_visual_indexes=[8, 16, 24])
+TINY_QWEN2_5 = dict(depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=14,
+                    window_size=112, fullatt_block_indexes=[1], hidden_act="silu")
+TINY_QWEN3 = dict(depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=16,
+                  num_position_embeddings=64)
+TINY_QWEN2_PRE = {**QWEN2_PRE, "max_pixels": 1003520}
+TINY_QWEN3_PRE = {**QWEN3_PRE, "size": {"shortest_edge": 65536, "longest_edge": 1048576}}
+TINY_QWEN3_VIDEO_PRE = {**QWEN3_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 4194304}}
+
 PRESETS: dict[str, Preset] = {
     "random:qwen2-vl-7b": Preset(
         "qwen2_vl",
@@ -45,37 +59,50 @@ PRESETS: dict[str, Preset] = {
              spatial_merge_size=2, temporal_patch_size=2),
         QWEN2_PRE,
     ),
-    "random:qwen2.5-vl-7b": Preset(
-        "qwen2_5_vl",
-        dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584, num_heads=16,
-             patch_size=14, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
-        QWEN2_PRE,
-    ),
+    "random:qwen2.5-vl-7b": Preset("qwen2_5_vl", QWEN2_5_VL_7B, QWEN2_PRE),
     "random:qwen3-vl-8b": Preset(
-        "qwen3_vl",
-        dict(depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=4096, num_heads=16,
-             patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
-        QWEN3_PRE,
-        QWEN3_VIDEO_PRE,
+        "qwen3_vl", {**QWEN3_VL_VISION, **DEEPSTACK, "out_hidden_size": 4096}, QWEN3_PRE, QWEN3_VIDEO_PRE
+    ),
+    "random:qwen3-vl-30b-a3b": Preset(
+        "qwen3_vl_moe", {**QWEN3_VL_VISION, **DEEPSTACK, "out_hidden_size": 2048}, QWEN3_PRE, QWEN3_VIDEO_PRE
+    ),
+    "random:qwen3.5-27b": Preset("qwen3_5", {**QWEN3_VL_VISION, "out_hidden_size": 5120}, QWEN3_PRE, QWEN3_VIDEO_PRE),
+    "random:qwen3.5-35b-a3b": Preset(
+        "qwen3_5_moe", {**QWEN3_VL_VISION, "out_hidden_size": 2048}, QWEN3_PRE, QWEN3_VIDEO_PRE
+    ),
+    "random:qwen2.5-omni-7b": Preset("qwen2_5_omni", QWEN2_5_VL_7B, QWEN2_PRE),
+    "random:qwen3-omni-30b-a3b": Preset(
+        "qwen3_omni_moe", {**QWEN3_VL_VISION, **DEEPSTACK, "out_hidden_size": 2048}, QWEN3_PRE
+    ),
+    "random:exaone-4.5-33b": Preset(
+        "exaone4_5",
+        dict(depth=28, hidden_size=2048, intermediate_size=5120, out_hidden_size=5120, num_heads=32,
+             num_key_value_heads=8, patch_size=14, window_size=112, fullatt_block_indexes=[6, 13, 20, 27],
+             hidden_act="silu"),
+        QWEN2_PRE,
     ),
     "random:glm-4.1v-9b": Preset("glm4v", GLM41V_VISION, GLM_PRE, GLM_VIDEO_PRE),
     "tiny-qwen2-vl": Preset(
         "qwen2_vl",
         dict(depth=2, embed_dim=64, hidden_size=96, mlp_ratio=2, num_heads=4, patch_size=14),
-        {**QWEN2_PRE, "max_pixels": 1003520},
+        TINY_QWEN2_PRE,
     ),
-    "tiny-qwen2.5-vl": Preset(
-        "qwen2_5_vl",
-        dict(depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=14,
-             window_size=112, fullatt_block_indexes=[1], hidden_act="silu"),
-        {**QWEN2_PRE, "max_pixels": 1003520},
-    ),
+    "tiny-qwen2.5-vl": Preset("qwen2_5_vl", TINY_QWEN2_5, TINY_QWEN2_PRE),
     "tiny-qwen3-vl": Preset(
-        "qwen3_vl",
-        dict(depth=3, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=16,
-             num_position_embeddings=64, deepstack_visual_indexes=[0, 2]),
-        {**QWEN3_PRE, "size": {"shortest_edge": 65536, "longest_edge": 1048576}},
-        {**QWEN3_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 4194304}},
+        "qwen3_vl", {**TINY_QWEN3, "deepstack_visual_indexes": [0, 2]}, TINY_QWEN3_PRE, TINY_QWEN3_VIDEO_PRE
+    ),
+    "tiny-qwen3-vl-moe": Preset(
+        "qwen3_vl_moe", {**TINY_QWEN3, "deepstack_visual_indexes": [1]}, TINY_QWEN3_PRE, TINY_QWEN3_VIDEO_PRE
+    ),
+    "tiny-qwen3.5": Preset("qwen3_5", TINY_QWEN3, TINY_QWEN3_PRE, TINY_QWEN3_VIDEO_PRE),
+    "tiny-qwen3.5-moe": Preset("qwen3_5_moe", TINY_QWEN3, TINY_QWEN3_PRE, TINY_QWEN3_VIDEO_PRE),
+    "tiny-qwen2.5-omni": Preset("qwen2_5_omni", TINY_QWEN2_5, TINY_QWEN2_PRE),
+    "tiny-qwen3-omni-moe": Preset(
+        "qwen3_omni_moe", {**TINY_QWEN3, "deepstack_visual_indexes": [0, 2]}, TINY_QWEN3_PRE
+    ),
+    "tiny-exaone4.5": Preset("exaone4_5", {**TINY_QWEN2_5, "num_key_value_heads": 2}, TINY_QWEN2_PRE),
+    "tiny-cohere-compass": Preset(
+        "cohere_compass", {**TINY_QWEN3, "deepstack_visual_indexes": [1, 2]}, TINY_QWEN3_PRE
     ),
     # An 8x8 position table, so test grids are both larger and smaller than it.
     "tiny-glm4v": Preset(
@@ -105,18 +132,36 @@ DEFAULT_MODEL = "tiny-qwen2-vl"
 
 
 def full_config(preset: Preset):
-    """A transformers config of the whole model (with a tiny text part) holding the vision config."""
+    """A transformers config of the whole model (with a tiny text part, and a tiny audio part for the
+    Omni models, which are built without their talker) holding the vision config."""
     from transformers import AutoConfig
 
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=256, bos_token_id=None, eos_token_id=None)
-    if preset.family == "qwen3_vl":
-        text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                  "mrope_section": [2, 3, 3]})
+    family = preset.family.removesuffix("_thinker")
+    text: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=256, bos_token_id=None, eos_token_id=None)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    if family.startswith("qwen3") or family == "cohere_compass":
+        text["head_dim"] = 16
+        rope["mrope_interleaved"] = True
+    if family.startswith("qwen") and family.endswith("moe"):
+        text.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family.startswith("qwen3_5"):
+        text["layer_types"] = ["full_attention"]
+    if family == "cohere_compass":  # rope parameters per layer type
+        text.update(layer_types=["full_attention"], rope_parameters={"full_attention": rope})
+    elif family == "exaone4_5":
+        text.update(model_type="exaone4", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        text["rope_parameters"] = rope
     if preset.family == "glm4v_moe":  # a small mixture: the text part is never run, only written
         text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+    if family in ("qwen2_5_omni", "qwen3_omni_moe"):
+        audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                     output_dim=64, n_window=4, max_source_positions=64)
+        thinker = dict(vision_config=preset.vision, text_config=text, audio_config=audio)
+        if preset.family.endswith("_thinker"):
+            return AutoConfig.for_model(preset.family, **thinker)
+        return AutoConfig.for_model(family, enable_audio_output=False, thinker_config=thinker)
     return AutoConfig.for_model(
         preset.family, vision_config=preset.vision, text_config=text, bos_token_id=None, eos_token_id=None
     )

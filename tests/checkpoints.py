@@ -7,16 +7,21 @@ from pathlib import Path
 
 import torch
 
+from models.families import FAMILIES
 from models.presets import PRESETS, full_config
 
-CLASSES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-    "glm4v": "Glm4vForConditionalGeneration",
-    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
-    "glm_ocr": "GlmOcrForConditionalGeneration",
-}
+CLASSES = {name: family.hf_class for name, family in FAMILIES.items()}
+
+
+def visual_of(model):
+    """transformers' vision model inside a whole model (the Omni models keep it in their thinker)."""
+    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual"):
+        found = model
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if found is not None:
+            return found
+    raise AttributeError(f"no vision model in {type(model).__name__}")
 
 
 def reference_model(preset_name: str, seed: int = 0):
@@ -30,10 +35,19 @@ def reference_model(preset_name: str, seed: int = 0):
     model = cls._from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     # Non-trivial norms and biases, so a wrong wiring cannot hide behind ones and zeros.
     with torch.no_grad():
-        for p in model.model.visual.parameters():
+        for p in visual_of(model).parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+def reference_features(model, pixels: torch.Tensor, grids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' vision model on normalised patch rows: merged tokens and DeepStack features."""
+    with torch.no_grad():
+        out = visual_of(model)(pixels, grid_thw=torch.tensor(grids))
+    if isinstance(out, tuple):
+        return out[0], list(out[1]) if len(out) > 1 else []
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
 
 def write_checkpoint(preset_name: str, folder: Path, seed: int = 0, max_shard_size: str | None = None):

@@ -1,7 +1,10 @@
-"""Our towers against transformers' vision models loaded from the same safetensors (fp32, CPU)."""
+"""Our towers against transformers' vision models loaded from the same safetensors (fp32, CPU), for
+every family: checkpoints written by transformers' own classes (save_pretrained), images and videos,
+DeepStack where the family has it, both key layouts, a sharded checkpoint."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -10,11 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models import CheckpointError, load_tower
+from models.families import FAMILIES as SPECS
 from models.loader import build_tower
 from models.presets import PRESETS, full_config
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import reference_features, write_checkpoint
 
-FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5",
+            "tiny-qwen3.5-moe", "tiny-qwen2.5-omni", "tiny-qwen3-omni-moe", "tiny-exaone4.5", "tiny-cohere-compass"]
 # Sizes chosen to cover odd window tilings (Qwen2.5-VL), non-square grids, videos (t > 1) and
 # grids larger and smaller than Qwen3-VL's 8x8 position table.
 GRIDS = [(1, 8, 12), (1, 16, 8), (2, 4, 4), (1, 2, 2), (1, 20, 36), (3, 10, 6)]
@@ -40,11 +45,12 @@ def run_ours(tower, grids, pixels):
 
 def run_reference(model, tower, grids, pixels):
     x = torch.from_numpy(tower.processor.normalize(pixels.numpy()))
-    with torch.no_grad():
-        out = model.model.get_image_features(pixel_values=x, image_grid_thw=torch.tensor(grids))
-    embeds = torch.cat(out.pooler_output)
-    deepstack = [torch.cat(f) for f in (getattr(out, "deepstack_features", None) or [])]
-    return embeds, deepstack
+    if hasattr(model, "model") and hasattr(model.model, "get_image_features"):  # the model's own entry point
+        with torch.no_grad():
+            out = model.model.get_image_features(pixel_values=x, image_grid_thw=torch.tensor(grids))
+        deepstack = [torch.cat(f) for f in (getattr(out, "deepstack_features", None) or [])]
+        return torch.cat(out.pooler_output), deepstack
+    return reference_features(model, x, grids)  # the Omni models: their thinker's vision encoder
 
 
 def random_pixels(tower, grids, seed=0):
@@ -63,6 +69,7 @@ def test_parity_with_transformers(checkpoint):
         assert ours.embeds.shape == embeds.shape
         assert rel_err(ours.embeds, embeds) <= 1e-5
         expected_layers = len(PRESETS[name].vision.get("deepstack_visual_indexes", []))
+        assert tower.num_deepstack == expected_layers
         assert len(ours.deepstack) == len(deepstack) == expected_layers
         for a, b in zip(ours.deepstack, deepstack):
             assert rel_err(a, b) <= 1e-5
@@ -93,12 +100,17 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
 
 
 def test_legacy_visual_keys_and_shards(checkpoint, tmp_path):
-    """Qwen2/2.5-VL releases store `visual.*`; large checkpoints are sharded with an index."""
+    """The other key layout of each family (Qwen2/2.5-VL releases store `visual.*`, transformers 5 writes
+    `model.visual.*`; an Omni thinker saved alone stores `visual.*`, the whole model `thinker.visual.*`);
+    large checkpoints are sharded with an index."""
     name, folder, reference = checkpoint
     legacy = tmp_path / "legacy"
     shutil.copytree(folder, legacy)
     state = load_file(str(legacy / "model.safetensors"))
-    renamed = {swap_layout(k): v for k, v in state.items()}
+    if SPECS[PRESETS[name].family].config_path != ("vision_config",):
+        renamed = thinker_alone(legacy, state)
+    else:
+        renamed = {swap_layout(k): v for k, v in state.items()}
     assert set(renamed) != set(state)
     save_file(renamed, str(legacy / "model.safetensors"), metadata={"format": "pt"})
 
@@ -114,6 +126,14 @@ def test_legacy_visual_keys_and_shards(checkpoint, tmp_path):
     for other in (legacy, sharded):
         tower = load_tower(str(other), device="cpu", dtype="float32")
         assert torch.equal(run_ours(tower, GRIDS, pixels).embeds, expected)
+
+
+def thinker_alone(folder, state: dict) -> dict:
+    """An Omni checkpoint rewritten as its thinker saved alone: the thinker's config at the top (its own
+    model_type), tensors without the `thinker.` prefix, nothing else."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config["thinker_config"]))
+    return {k.removeprefix("thinker."): v for k, v in state.items() if k.startswith("thinker.")}
 
 
 def swap_layout(key: str) -> str:
@@ -157,19 +177,19 @@ def test_folder_errors(tmp_path):
         build_tower("llava", None, None, "sdpa")
 
 
-@pytest.mark.parametrize("preset", ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b"])
+@pytest.mark.parametrize("preset", [name for name in PRESETS if name.startswith("random:")])
 def test_full_size_parameter_counts_match_transformers(preset):
     import transformers
 
     from models.config import ProcessorConfig
-    from tests.checkpoints import CLASSES
+    from tests.checkpoints import CLASSES, visual_of
 
     p = PRESETS[preset]
     cfg = full_config(p)
     processor = ProcessorConfig.from_dicts(p.family, p.preprocessor)
-    ours = build_tower(p.family, cfg.vision_config, processor, "sdpa")
+    ours = build_tower(p.family, SPECS[p.family].vision_config(cfg), processor, "sdpa")
     with torch.device("meta"):
-        ref = getattr(transformers, CLASSES[p.family])._from_config(cfg).model.visual
+        ref = visual_of(getattr(transformers, CLASSES[p.family])._from_config(cfg))
     count = lambda m: sum(x.numel() for x in m.parameters())  # noqa: E731
     assert count(ours) == count(ref)
     assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == {
@@ -204,8 +224,14 @@ def test_video_parity_with_transformers(checkpoint):
     pixels = random_pixels(tower, grids, 5)
     ours = run_ours(tower, grids, pixels)
     x = torch.from_numpy(tower.processor.normalize(pixels.numpy()))
-    with torch.no_grad():
-        out = reference.model.get_video_features(pixel_values_videos=x, video_grid_thw=torch.tensor(grids))
-    assert rel_err(ours.embeds, torch.cat(out.pooler_output)) <= 1e-5
-    for a, b in zip(ours.deepstack, getattr(out, "deepstack_features", None) or []):
-        assert rel_err(a, torch.cat(b)) <= 1e-5
+    if not hasattr(reference, "model") or not hasattr(reference.model, "get_video_features"):
+        embeds, deepstack = reference_features(reference, x, grids)  # the Omni thinker's vision encoder
+    else:
+        with torch.no_grad():
+            out = reference.model.get_video_features(pixel_values_videos=x, video_grid_thw=torch.tensor(grids))
+        embeds = torch.cat(out.pooler_output)
+        deepstack = [torch.cat(b) for b in getattr(out, "deepstack_features", None) or []]
+    assert rel_err(ours.embeds, embeds) <= 1e-5
+    assert len(ours.deepstack) == len(deepstack) == tower.num_deepstack
+    for a, b in zip(ours.deepstack, deepstack):
+        assert rel_err(a, b) <= 1e-5

@@ -40,8 +40,11 @@ def torch_b64(t: torch.Tensor) -> bytes:
 
 
 def takes_timestamps(family: str) -> bool:
-    """Qwen3-VL's video embedding fields require `timestamps` (vLLM's Qwen3VLMultiModalDataParser)."""
-    return family.startswith("qwen3")
+    """Qwen3-VL's video embedding fields require `timestamps` (vLLM's Qwen3VLMultiModalDataParser), and so
+    do those of the families built on it that vLLM parses the same way (models/families/)."""
+    from models.families import FAMILIES
+
+    return family in FAMILIES and FAMILIES[family].video_timestamps
 
 
 def grid_timestamps(meta: dict[str, Any], temporal_patch_size: int) -> list[float] | None:

@@ -28,6 +28,12 @@ def image_sizing(cfg: ProcessorConfig) -> str:
     return family.image_sizing if family else "qwen2"
 
 
+def takes_video(cfg: ProcessorConfig) -> bool:
+    """False for a family whose vision model takes images only (Cohere Compass)."""
+    family = _family(cfg)
+    return family.video if family else True
+
+
 def video_sampling(cfg: ProcessorConfig) -> str:
     """The family's video rules; a model_type no family claims is returned as is (and refused)."""
     family = _family(cfg)

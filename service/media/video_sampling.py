@@ -2,10 +2,10 @@
 
 The rules follow the reference each model family ships with:
 
-* Qwen2-VL / Qwen2.5-VL: qwen-vl-utils 0.0.14 `fetch_video` with its decord/torchcodec readers
-  (`smart_nframes`, `calculate_video_frame_range`, `torch.linspace(...).round()` indices, the
+* Qwen2-VL / Qwen2.5-VL, the Omni models, EXAONE 4.5: qwen-vl-utils 0.0.14 `fetch_video` with its
+  decord/torchcodec readers (`smart_nframes`, `calculate_video_frame_range`, `torch.linspace(...).round()` indices, the
   per-frame pixel budget of `fetch_video`), resize with `smart_resize` (factor patch*merge).
-* Qwen3-VL: transformers' `Qwen3VLVideoProcessor` (`sample_frames`, and its own `smart_resize`
+* Qwen3-VL, Qwen3-VL-MoE, Qwen3.5: transformers' `Qwen3VLVideoProcessor` (`sample_frames`, and its own `smart_resize`
   that bounds T*H*W of the whole clip between size.shortest_edge and size.longest_edge).
 * GLM-4.1V, GLM-4.5V, GLM-OCR: transformers' `Glm4vVideoProcessor` (`sample_frames`: frames at fps
   up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.config import ProcessorConfig
-from service.media.errors import ASPECT_RATIO, INVALID_OPTION, TOO_FEW_FRAMES, MediaError
+from service.media.errors import ASPECT_RATIO, INVALID_OPTION, TOO_FEW_FRAMES, UNSUPPORTED_FORMAT, MediaError
 from service.media.image_preprocess import MAX_ASPECT_RATIO, clip_smart_resize, smart_resize
-from service.media.rules import video_sampling
+from service.media.rules import takes_video, video_sampling
 
 # qwen-vl-utils' FRAME_FACTOR; it is the temporal_patch_size of every Qwen-VL checkpoint.
 FRAME_FACTOR = 2
@@ -312,6 +312,8 @@ def plan_sampling(
         raise MediaError(
             reason=f"the video has {total_frames} frames at {video_fps} fps", code=TOO_FEW_FRAMES
         )
+    if not takes_video(cfg):
+        raise MediaError(reason=f"model family {cfg.family} takes images only, not videos", code=UNSUPPORTED_FORMAT)
     vcfg = cfg.video
     adjusted: str | None = None
     first, last, count = frame_range(total_frames, video_fps, video_start, video_end)
