@@ -28,11 +28,15 @@ if [[ -n "${1:-}" ]]; then
     PIP_FIND_LINKS="$(cd "$1" && pwd)"
 fi
 
-# A virtual environment without its own pip: the machine's pip installs into it (no ensurepip needed).
+# A virtual environment that sees the machine's packages: through a .pth file, since the machine's python3
+# may itself live in a virtual environment, whose packages --system-site-packages would not show. It has no
+# pip of its own: the machine's installs into it (no ensurepip needed).
 venv="$(mktemp -d)/venv"
 trap 'rm -rf "$(dirname "$venv")"' EXIT
 python3 -m venv --without-pip --system-site-packages "$venv"
 python="$venv/bin/python"
+python3 -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])' \
+    >"$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine-packages.pth"
 torch_spec="torch==$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')"
 echo "== install steps (docker/install-deps.sh, EXTRAS=${EXTRAS-cuda}, $torch_spec)" | tee "$out/check-image-steps.log"
 PYTHON="$python" EXTRAS="${EXTRAS-cuda}" bash docker/install-deps.sh "$torch_spec" 2>&1 | tee -a "$out/check-image-steps.log"
