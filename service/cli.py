@@ -14,6 +14,9 @@ from pathlib import Path
 
 from models.presets import DEFAULT_MODEL, PRESETS
 
+# `vitserve bench --cache` with no value: the hit-against-miss benchmark (service/bench/cache.py).
+CACHE_COMPARE = "compare"
+
 log = logging.getLogger("vitserve")
 
 
@@ -223,12 +226,17 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--serve-flags", default=None, help="with --http or --cache: more `vitserve serve` flags, one "
                                                        "string")
     # Encoder-output cache hit against miss (service/bench/cache.py); runs on a CPU machine too.
-    p.add_argument("--cache", action="store_true", help="time an encoder-output cache hit against a miss in "
-                                                        "`vitserve serve` (server-side, one request at a time); "
-                                                        "writes OUT/cache_bench.json")
+    p.add_argument("--cache", nargs="?", const=CACHE_COMPARE, default=None, metavar="misses,hits",
+                   help="alone: time an encoder-output cache hit against a miss in `vitserve serve` (server-side, "
+                        "one request at a time; writes OUT/cache_bench.json). With --http: misses (every request a "
+                        "new image) and/or hits (a few images again), comma list (default misses)")
     p.add_argument("--cache-images", type=int, default=8, help="with --cache: distinct 448x448 JPEGs (default 8)")
     p.add_argument("--encoding-format", default="base64", choices=["float", "base64", "vllm", "vllm_ref"],
                    help="with --cache: the answers' format (default base64; vllm_ref adds a shared folder)")
+    p.add_argument("--format", default=None,
+                   help="with --http: answer format(s), comma list of base64 and vllm_ref (default base64); "
+                        "vllm_ref also times the LLM server's fetch of an output (GET /v1/encoder_cache/{id}); "
+                        "several formats or caches are measured in one run")
     p.add_argument("--client-processes", type=int, default=1,
                    help="with --http: client processes sharing each level's connections (default 1; one process "
                         "of Python client threads tops out near 500 images/s of 448x448 bf16 answers)")
@@ -237,10 +245,11 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.http and args.cache:
-        print("error: --http and --cache are two benchmarks: run them one at a time", file=sys.stderr)
+    if args.http and args.cache == CACHE_COMPARE:
+        print("error: --cache alone and --http are two benchmarks: run them one at a time (with --http, --cache "
+              "takes misses and/or hits)", file=sys.stderr)
         return 2
-    if args.cache:
+    if args.cache and not args.http:
         from service.bench.cache import run_from_args as run_cache
 
         return run_cache(args)

@@ -227,3 +227,22 @@ def test_the_cache_bench_times_hits_against_misses(tmp_path):
 def test_the_cache_and_http_benches_run_one_at_a_time(capsys):
     assert main(["bench", "--http", "--cache"]) == 2
     assert "one at a time" in capsys.readouterr().err
+
+
+def test_sidecar_variants_on_cpu(tmp_path, capsys):
+    """--format vllm_ref --cache misses,hits: both variants against one server and one engine reference;
+    misses send a new image each time, hits the cached ones, vllm_ref also times the fetch (about 50 s)."""
+    result = http_bench.run(model="tiny-qwen2-vl", concurrency=[1], requests_per_level=2, level_time_s=60,
+                            max_batch_tokens=512, out=tmp_path, distinct_images=1, warmup_requests=1, single_reps=2,
+                            batch_reps=1, formats=["vllm_ref"], caches=["misses", "hits"],
+                            sequential_requests=2, log=lambda s: None)
+    variants = result["variants"]
+    assert [(v["format"], v["cache"]) for v in variants] == [("vllm_ref", "misses"), ("vllm_ref", "hits")]
+    assert result["workload"]["encoding_format"] == "vllm_ref" and "levels" not in variants[0]
+    for k, v in enumerate(variants):
+        assert v["sequential"]["server"]["p50_ms"] > 0
+        assert v["fetch"]["shape"] == [256, 96] and v["fetch"]["load"]["p50_ms"] > 0
+        assert (result if k == 0 else v)["workload"]["uuid"].startswith("vit-")
+    assert variants[1]["levels"][0]["ok"] == 2 and variants[1]["targets"]["latency_p50_ms"] is not None
+    summary = capsys.readouterr().out
+    assert "vllm_ref" in summary and "fetch p50" in summary

@@ -37,9 +37,7 @@ from service.bench.http_client import (
     BenchError,
     Poster,
     bench_images,
-    check_response,
     client_name,
-    request_body,
     run_level,
 )
 from service.bench.http_server import (
@@ -51,6 +49,7 @@ from service.bench.http_server import (
     server_stage_totals,
     stage_means,
 )
+from service.bench.http_sidecar import bodies_for, check_variant, fetch_times, server_times
 
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 DEFAULT_REQUESTS_PER_LEVEL = 1024
@@ -112,8 +111,14 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
         max_batch_tokens: int = 16384, serve_flags: Sequence[str] = (), out: Path | None = None,
         distinct_images: int = 4, warmup_requests: int = 8, single_reps: int = 20, batch_reps: int = 5,
         ready_timeout_s: float = 900, client: str = "http.client", client_processes: int = 1,
+        formats: Sequence[str] = ("base64",), caches: Sequence[str] = ("misses",), sequential_requests: int = 50,
         log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The whole benchmark; returns (and writes to `out`, when given) the result document."""
+    """The whole benchmark; returns (and writes to `out`, when given) the result document.
+
+    Each (format, cache) pair (`http_sidecar`) is a variant measured against the one engine reference. The
+    default, base64 and misses, gives the document its usual shape; any other choice adds `variants`, each
+    with its levels and targets, the server's own time of sequential requests, and for vllm_ref the
+    connector's fetch of one output (the top-level fields are then the first variant's)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     levels_wanted = sorted(set(concurrency))
     if not levels_wanted or levels_wanted[0] < 1 or requests_per_level < 1 or level_time_s <= 0:
@@ -125,7 +130,10 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
         url = url.rstrip("/")
         api_key = os.environ.get("VITSERVE_API_KEY") or None
     images = bench_images(distinct_images)
-    bodies = [request_body(img) for img in images]
+    variants_wanted = [(f, c) for f in formats for c in caches]
+    sidecar = variants_wanted != [("base64", "misses")]
+    for fmt, cache in variants_wanted:
+        bodies_for(images, fmt, cache)  # a bad choice fails here, before a server starts
     json_path = output_path(out)
 
     def measure(base_url: str, spawned: list[str] | None) -> dict[str, Any]:
@@ -154,11 +162,24 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             batch_reps=batch_reps)
         log(f"engine: {engine['images_per_s']:.1f} images/s ({engine['batch_images']} per batch), "
             f"{engine['single_ms']:.2f} ms for one image")
+        variants = []
+        for fmt, cache in variants_wanted:
+            bodies = bodies_for(images, fmt, cache)
+            log(f"variant: encoding_format {fmt}, cache {cache}")
+            variants.append(measure_variant(base_url, bodies, fmt, cache, engine, str(info["device"]), server))
+        first = variants[0]
+        body = {"server": server, "workload": first["workload"], "engine": engine, "levels": first["levels"]}
+        if sidecar:
+            body["variants"] = variants
+        return body
+
+    def measure_variant(base_url: str, bodies: Any, fmt: str, cache: str, engine: dict[str, Any], device: str,
+                        server: dict[str, Any]) -> dict[str, Any]:
         workload = {"distinct_images": len(images), "width": IMAGE_SIDE, "height": IMAGE_SIDE, "format": "JPEG",
-                    "jpeg_bytes": [len(i) for i in images], "encoding_format": "base64", "dtype": "bfloat16",
-                    **check_response(base_url, bodies[0], api_key, client)}
+                    "jpeg_bytes": [len(i) for i in images], "encoding_format": fmt, "cache": cache,
+                    "dtype": "bfloat16", **check_variant(base_url, bodies[0], api_key, fmt, client)}
         for i in range(warmup_requests):  # one at a time, cycling through the images
-            check_response(base_url, bodies[i % len(bodies)], api_key, client)
+            check_variant(base_url, bodies[i % len(bodies)], api_key, fmt, client)
         levels = []
         for c in levels_wanted:
             before = server_stage_totals(base_url, api_key)
@@ -174,15 +195,30 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
                 f"ms  p99 {_ms(level['p99_ms'])} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
                 f"in flight {level['in_flight_mean']} (clients late {level['start_late_s']} s); "
                 f"server means {level['server_ms']}")
-        return {"server": server, "workload": workload, "engine": engine, "levels": levels}
+        out = {"format": fmt, "cache": cache, "workload": workload, "levels": levels,
+               "targets": targets(levels, engine, server["engines"], judged=device.startswith("cuda"))}
+        if sidecar:
+            out["sequential"] = server_times(base_url, bodies, sequential_requests, api_key)
+            out["sequential"].pop("entry")
+            log(f"sequential: server p50 {out['sequential']['server']['p50_ms']} ms, client p50 "
+                f"{out['sequential']['client']['p50_ms']} ms")
+            if fmt == "vllm_ref":
+                out["fetch"] = fetch_times(base_url, workload["uuid"], sequential_requests, api_key,
+                                           device.split(",")[0])
+                log(f"connector fetch: p50 {out['fetch']['load']['p50_ms']} ms (server "
+                    f"{out['fetch']['server']['p50_ms']} ms)")
+        return out
 
     limits = {"concurrency": levels_wanted, "requests_per_level": requests_per_level, "level_time_s": level_time_s,
               "client_processes": client_processes,
               "warmup_requests": warmup_requests, "engine_single_reps": single_reps, "engine_batch_reps": batch_reps}
     if url is None:
         name = model or default_model()
-        # The encoder-output cache off: the benchmark repeats a few images and measures the engine's path.
-        flags = ["--max-batch-tokens", str(max_batch_tokens), "--cache-bytes", "0", *serve_flags]
+        # The encoder-output cache off unless a variant needs it (vllm_ref answers from it, hits read it): the
+        # engine's path alone.
+        needs_cache = any(f == "vllm_ref" or c == "hits" for f, c in variants_wanted)
+        flags = ["--max-batch-tokens", str(max_batch_tokens), *([] if needs_cache else ["--cache-bytes", "0"]),
+                 *serve_flags]
         if json_path is not None:
             log_path = json_path.with_name(json_path.stem + ".server.log")
         else:
@@ -197,10 +233,15 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
     result = {"env": {**environment(), "client": client_name(client)}, "limits": limits, **body,
               "targets": targets(body["levels"], body["engine"], body["server"]["engines"],
                                  judged=str(body["server"]["device"]).startswith("cuda"))}
+    if "variants" in result:  # the first variant's document is the top level's: no copy of it
+        result["variants"][0] = {k: v for k, v in result["variants"][0].items()
+                                 if k not in ("workload", "levels", "targets")}
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1))
     print_summary(result)
+    if "variants" in result:
+        print_variants(result)
     return result
 
 
@@ -260,6 +301,25 @@ def print_summary(result: dict[str, Any]) -> None:
               f"{t['latency_overhead_after_idle_ms']} ms")
 
 
+def _choices(value: str | None, default: str) -> list[str]:
+    return [v.strip() for v in (value or default).split(",") if v.strip()]
+
+
+def print_variants(result: dict[str, Any]) -> None:
+    """Per variant (--format x --cache): p50 at the lowest concurrency against the engine alone, the server's
+    own time of sequential requests, and for vllm_ref the connector's fetch of one output."""
+    e = result["engine"]
+    print(f"{'format':>9} {'cache':>7} {'p50 ms':>8} {'- engine':>9} {'server p50':>11} {'fetch p50':>10}")
+    for k, v in enumerate(result["variants"]):
+        levels = result["levels"] if k == 0 else v["levels"]
+        lowest = min(levels, key=lambda lv: lv["concurrency"])
+        p50 = lowest["p50_ms"]
+        over = f"{p50 - e['single_ms']:+.2f}" if p50 is not None else "-"
+        fetch = v.get("fetch", {}).get("load", {}).get("p50_ms")
+        print(f"{v['format']:>9} {v['cache']:>7} {_ms(p50):>8} {over:>9} "
+              f"{_ms(v['sequential']['server']['p50_ms']):>11} {_ms(fetch):>10}")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """`vitserve bench --http ...`: 0 when every request succeeded, 1 with errors, 2 when it cannot run."""
     try:
@@ -268,7 +328,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                      requests_per_level=args.requests_per_level or DEFAULT_REQUESTS_PER_LEVEL,
                      level_time_s=args.level_time_s or DEFAULT_LEVEL_TIME_S, max_batch_tokens=args.max_batch_tokens,
                      serve_flags=shlex.split(args.serve_flags or ""), out=args.out,
-                     client_processes=getattr(args, "client_processes", None) or 1)
+                     client_processes=getattr(args, "client_processes", None) or 1,
+                     formats=_choices(getattr(args, "format", None), "base64"),
+                     caches=_choices(getattr(args, "cache", None), "misses"))
     except (BenchError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
