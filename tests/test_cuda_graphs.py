@@ -14,10 +14,10 @@ import torch
 from graphs.budgets import GraphKey
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
-from service.bench.towers import hf_outputs, hf_visual
+from service.bench.towers import hf_grid_thw, hf_outputs, hf_visual
 
 pytestmark = pytest.mark.cuda
-FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b"]
+FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
 DEV = torch.device("cuda")
 
 
@@ -28,7 +28,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def reference_forward(visual, tower, grids, pixels: np.ndarray, dtype=torch.bfloat16):
     x = torch.from_numpy(tower.processor.normalize(pixels)).to(DEV, dtype)
     with torch.inference_mode():
-        out = visual(x, grid_thw=torch.tensor(grids, device=DEV))
+        out = visual(x, grid_thw=torch.tensor(hf_grid_thw(tower, grids), device=DEV))
     return hf_outputs(out)
 
 

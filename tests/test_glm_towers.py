@@ -150,3 +150,34 @@ def test_full_size_parameters_match_transformers(preset):
         k: tuple(v.shape) for k, v in ref.state_dict().items()
     }
     assert sum(x.numel() for x in ours.parameters()) > 850e6
+
+
+def test_vitserve_encode_serves_a_glm_checkpoint(tmp_path):
+    """`vitserve encode --model <folder>` on a GLM-4.1V checkpoint: an image and a video, preprocessed by the
+    GLM rules, encoded equal to transformers' GLM on those pixels."""
+    from safetensors import safe_open
+
+    from service.media.image_preprocess import preprocess_image_bytes
+    from service.media.video_preprocess import preprocess_video_bytes
+    from tests.test_cli import SAMPLE, VIDEO, vitserve
+
+    folder = tmp_path / "glm"
+    reference = write_checkpoint("tiny-glm4v", folder)
+    out = tmp_path / "out.safetensors"
+    done = vitserve("encode", "--model", str(folder), "-o", str(out), str(SAMPLE), str(VIDEO))
+    assert done.returncode == 0, done.stderr
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    image = preprocess_image_bytes(SAMPLE.read_bytes(), tower.processor)
+    video = preprocess_video_bytes(VIDEO.read_bytes(), tower.processor)
+    with torch.no_grad():
+        ref_image = reference.model.get_image_features(
+            pixel_values=normalized(tower, torch.from_numpy(image.pixels)),
+            image_grid_thw=torch.tensor([image.grid_thw]))
+        ref_video = reference.model.get_video_features(
+            pixel_values_videos=normalized(tower, torch.from_numpy(video.pixels)),
+            video_grid_thw=torch.tensor([video.grid_thw]))
+    with safe_open(str(out), "pt") as f:
+        assert f.get_tensor("grid_thw.0").tolist() == [list(image.grid_thw)]
+        assert f.get_tensor("grid_thw.1").tolist() == [list(video.grid_thw)]
+        assert rel_err(f.get_tensor("embeds.0"), torch.cat(ref_image.pooler_output)) <= TOL
+        assert rel_err(f.get_tensor("embeds.1"), torch.cat(ref_video.pooler_output)) <= TOL

@@ -124,7 +124,7 @@ def test_oversize_and_long_videos_run_alone_and_eagerly():
 
 
 # ---- the pool on the CPU backend ----------------------------------------------------------------
-@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-glm4v"])
 def runner(request):
     tower = load_tower(request.param, device="cpu", dtype="float32")
     r = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256, t_capture=4))
@@ -316,7 +316,7 @@ def test_graphs_off_still_batches():
         assert rel_err(out.embeds, solo(r, it).embeds) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-glm4v"])
 def test_video_chunking_equals_one_eager_pass(name):
     """No attention, merge or position term crosses a temporal patch: chunks of t_capture re-join exactly."""
     tower = load_tower(name, device="cpu", dtype="float32")

@@ -106,6 +106,9 @@ GLM4V = register(Family(
     "glm4v", "GLM-4.1V", dims=glm4v_dims, norm="rms", norm_eps=1e-5, patch_bias=True, mlp="gated",
     qkv_bias=False, proj_bias=False, mlp_bias=False, image_sizing="glm4v", video_sampling="glm4v",
     hf_class="Glm4vForConditionalGeneration", tower=GlmTower,
+    # transformers' GLM vision model takes each temporal step of a video as its own (1, h, w) grid
+    # (`get_video_features` flattens them so); references and benchmarks call it that way.
+    extra={"reference_frames_as_grids": True},
 ))
 GLM4V_MOE = register(GLM4V.derive(
     model_type="glm4v_moe", title="GLM-4.5V", hf_class="Glm4vMoeForConditionalGeneration",
@@ -113,5 +116,5 @@ GLM4V_MOE = register(GLM4V.derive(
 GLM_OCR = register(GLM4V.derive(
     model_type="glm_ocr", title="GLM-OCR", dims=standard_dims, qkv_bias=True, proj_bias=True, mlp_bias=True,
     qk_norm=True, hf_class="GlmOcrForConditionalGeneration",
-    extra={"position_table": False, "merger_per_channel": True},
+    extra={"position_table": False, "merger_per_channel": True, "reference_frames_as_grids": True},
 ))

@@ -79,10 +79,26 @@ def matmul_tflops() -> float:
 
 def tower_dims(tower) -> dict:
     d = tower.dims
+    wide = d.hidden * tower.merge_unit
+    # The matrix products after the blocks on each merged token, as chains of (in, out) from the merge
+    # block's concatenated patches: each merger's two layers, or GLM's merging Conv2d and its gated merger
+    # (proj, gate and up in one product, down on the gated half).
+    if hasattr(tower, "downsample"):
+        context = tower.merger.hidden
+        merger = [[(wide, d.out), (d.out, d.out), (d.out, 2 * context), (context, d.out)]]
+    else:
+        merger = [[(wide, wide), (wide, d.out)]] * (1 + tower.num_deepstack)
     return dict(hidden=d.hidden, inter=d.mlp, depth=d.depth, heads=d.heads, kv_heads=d.kv_heads,
                 gated=tower.spec.mlp == "gated", cin=tower.processor.patch_dim, out=d.out,
-                mergers=1 + tower.num_deepstack, unit=tower.merge_unit,
+                merger=merger, unit=tower.merge_unit,
                 window=tower.windows.window if tower.windows else 0, full=set(tower.full_attention))
+
+
+def hf_grid_thw(tower, grids) -> list[tuple[int, int, int]]:
+    """The grids as transformers' vision model of the family takes them (see `reference_frames_as_grids`)."""
+    if tower.spec.extra.get("reference_frames_as_grids"):
+        return [(1, h, w) for t, h, w in grids for _ in range(t)]
+    return list(grids)
 
 
 def forward_flops(d: dict, grids) -> float:
@@ -98,8 +114,8 @@ def forward_flops(d: dict, grids) -> float:
             else:  # windows of window x window merged tokens
                 side = d["window"] * 2
                 f += t * 4 * gh * gw * min(side * side, gh * gw) * h
-    tokens, wide = n // d["unit"], h * d["unit"]
-    f += d["mergers"] * tokens * (2 * wide * wide + 2 * wide * d["out"])
+    tokens = n // d["unit"]
+    f += tokens * sum(2 * a * b for chain in d["merger"] for a, b in chain)
     return float(f)
 
 
@@ -114,7 +130,7 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
     w = lambda a, b: torch.randn(a, b, device=dev, dtype=dt) * 0.02  # noqa: E731
     w_embed, w_qkv, w_o = w(d["cin"], h), w(h, 3 * h), w(h, h)
     w_up, w_down = w(h, (2 if d["gated"] else 1) * d["inter"]), w(d["inter"], h)
-    w_m1, w_m2 = w(h * d["unit"], h * d["unit"]), w(h * d["unit"], d["out"])
+    w_merger = [[w(a, b) for a, b in chain] for chain in d["merger"]]
     cap = tower.required_capacity(grids)
     meta = tower.build_metadata(grids, cap)
     cu = torch.from_numpy(meta["cu_seqlens"]).to(dev)
@@ -135,9 +151,10 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
             else:
                 m = torch.nn.functional.gelu(m, approximate="tanh")
             x = x + m @ w_down
-        y = x.view(n // d["unit"], -1)
-        for _ in range(d["mergers"]):
-            (y @ w_m1) @ w_m2
+        for chain in w_merger:
+            y = x.view(n // d["unit"], -1)
+            for wm in chain:
+                y = y[:, : wm.shape[0]] @ wm  # a gated product feeds its first half on
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -221,7 +238,7 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
         items = random_items(tower, grids)
         host = torch.cat([it.pixels for it in items]).cpu().numpy()
         x = torch.from_numpy(tower.processor.normalize(host)).to("cuda", torch.bfloat16)
-        g = torch.tensor(grids, device="cuda")
+        g = torch.tensor(hf_grid_thw(tower, grids), device="cuda")
         hits0 = graphs.stats.graph_items
         eager0 = sum(graphs.stats.eager_items.values())
         with torch.inference_mode():
