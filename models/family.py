@@ -69,6 +69,9 @@ class Family:
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # transformers' image processor class whose output the server reproduces (the reference in tests)
     image_processor: str = "Qwen2VLImageProcessor"
+    # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
+    # none, so its hand-off part keeps the media and names the cached encoder output by uuid.
+    vllm_embedding_parts: bool = True
     # transformers' class of the whole model (what save_pretrained writes; the reference in tests and bench)
     hf_class: str = ""
     # The tower class; a family with parts of its own gives a subclass of models.tower.QwenTower.

@@ -154,7 +154,10 @@ def rewrite_chat(body: dict[str, Any], vitserve_url: str, *, mode: str = "ref", 
     new = encode_parts(vitserve_url, [content[i] for content, i in slots], mode=mode, dtype=dtype, api_key=api_key,
                        timeout=timeout)
     for (content, i), part in zip(slots, new, strict=True):
-        content[i] = part
+        # A media reference (GLM-4.1V, whose vLLM processor takes no embedding parts) keeps the media: only
+        # the uuid is added (service.handoff.vllm.handed_off; restated here to stay free of imports).
+        same_media = part.get("type") == content[i].get("type") and part["type"].endswith("_url")
+        content[i] = {**content[i], "uuid": part["uuid"]} if same_media else part
     return out
 
 

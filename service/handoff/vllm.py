@@ -99,12 +99,35 @@ def ref_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[str
     return reference_part(r.modality, r.grid_thw, r.meta, uuid, family, temporal_patch_size, r.index)
 
 
+def takes_embedding_parts(family: str) -> bool:
+    """Whether vLLM's processor for the family takes embedding parts (models/family.py)."""
+    from models.families import FAMILIES
+
+    spec = FAMILIES.get(family)
+    return spec.vllm_embedding_parts if spec else True
+
+
 def reference_part(modality: str, grid_thw: tuple[int, int, int], meta: dict[str, Any], uuid: str, family: str,
                    temporal_patch_size: int = 2, index: int = 0) -> dict[str, Any]:
-    """vLLM 0.33's metadata-only part for one item: the grid (and Qwen3-VL video's timestamps) and the uuid."""
+    """vLLM 0.33's metadata-only part for one item: the grid (and Qwen3-VL video's timestamps) and the uuid.
+
+    For a family whose vLLM processor takes no embedding parts (GLM-4.1V), a media part naming only the
+    uuid: the client's own `image_url` / `video_url` goes with it (`handed_off`), vLLM's processor sizes
+    the placeholder from the media (the same grid: vitserve follows that family's processor) and, as an
+    encoder-cache consumer, loads the tensor by the uuid instead of running its tower."""
+    if not takes_embedding_parts(family):
+        return {"type": f"{modality}_url", "uuid": uuid}
     payload: dict[str, Any] = {f"{modality}_grid_thw": list(grid_thw),
                                **_timestamps(modality, grid_thw, meta, index, family, temporal_patch_size)}
     return {"type": f"{modality}_embeds", f"{modality}_embeds": payload, "uuid": uuid}
+
+
+def handed_off(media_part: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """What replaces a chat request's media part: vitserve's part, or, when that part is a media reference
+    (`reference_part` for GLM-4.1V), the media part itself with the uuid."""
+    if part.get("type") == media_part.get("type") and part["type"].endswith("_url"):
+        return {**media_part, "uuid": part["uuid"]}
+    return part
 
 
 def content_part(r: ItemView, fmt: str, family: str, temporal_patch_size: int = 2) -> dict[str, Any]:
@@ -113,8 +136,12 @@ def content_part(r: ItemView, fmt: str, family: str, temporal_patch_size: int = 
     return embeds_part(r, family, temporal_patch_size)
 
 
-def warnings(r: ItemView, family: str) -> list[str]:
+def warnings(r: ItemView, family: str, fmt: str = "vllm_ref") -> list[str]:
     """What vLLM will not see as this server computed it."""
+    if fmt == "vllm" and not takes_embedding_parts(family):
+        return [f"vLLM 0.33's processor for {family} takes no {r.modality}_embeds parts (it reads them as media and "
+                "fails): hand this item off with encoding_format vllm_ref, its media part and this uuid, to vLLM "
+                "as an encoder-cache consumer"]
     if r.modality != "video" or family != "qwen2_5_vl":
         return []
     seconds = r.meta.get("second_per_grid_ts")

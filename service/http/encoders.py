@@ -77,7 +77,7 @@ def item_entry(r: ItemView, fmt: str, dtype: str, include_deepstack: bool, famil
     entry.update(grid_thw=list(r.grid_thw), num_tokens=r.num_tokens, shape=list(r.embeds.shape), dtype=dtype)
     if fmt in vllm.VLLM_FORMATS:
         entry["content_part"] = vllm.content_part(r, fmt, family, temporal_patch_size)
-        notes = vllm.warnings(r, family)
+        notes = vllm.warnings(r, family, fmt)
         if notes:
             entry["warnings"] = notes
     else:

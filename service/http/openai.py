@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.engine.types import ItemResult
 from service.handoff.ec_client import replica_for
-from service.handoff.vllm import reference_part
+from service.handoff.vllm import handed_off, reference_part
 from service.http.errors import ApiError, ClientGone, server_fault
 from service.http.parsing import Parsed, Pending, check_count, decode_media
 from service.http.schemas import OutputOptions
@@ -246,7 +246,7 @@ class Proxy:
             return openai_error(error.status, error.message, error.type, error.code, param, error.headers,
                                 error.error_id)
         for slot, part in zip(slots, parts):
-            slot.content[slot.position] = part
+            slot.content[slot.position] = handed_off(slot.content[slot.position], part)
         encoded_ms = (time.perf_counter() - started) * 1000
         extra = {"x-vitserve-cache-hits": str(hits), "server-timing": f"encode;dur={encoded_ms:.3f}"}
         return await self.forward(request, "POST", "/v1/chat/completions",

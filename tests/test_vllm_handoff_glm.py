@@ -1,0 +1,167 @@
+"""GLM-4.1V's hand-off judged by vLLM 0.33.0's own code (vllm/model_executor/models/glm4_1v.py), as
+tests/test_vllm_handoff.py does for the Qwen-VL families: a real vitserve server answers, tests/vllm_driver.py
+feeds its parts to vLLM's parser, GLM processor, input processor, model and `ECExampleConnector`.
+
+Without VITSERVE_VLLM_PYTHON these tests skip (see tests/test_vllm_handoff.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.presets import PRESETS
+from service.handoff import sidecar
+from tests.http_helpers import ROOT, ServerThread, image_bytes, settings
+from tests.test_vllm_handoff import HOW, VLLM_DTYPE, reference, vllm_python
+from tests.videos import make_video
+
+MODEL = "tiny-glm4v"
+IMAGES = [image_bytes(160, 120, seed=31, fmt="JPEG"), image_bytes(96, 96, seed=32, fmt="PNG")]
+VIDEO = make_video(8, fps=4, width=64, height=48)
+MEDIA = [("image", IMAGES[0]), ("image", IMAGES[1]), ("video", VIDEO)]
+# GLM's special tokens (the placeholders its processor and vLLM's look for) and a chat layout reduced to them.
+GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|image|>",
+              "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>{% endif %}{% endfor %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_vllm_glm_folder(folder: Path) -> Path:
+    """A GLM-4.1V folder vLLM's config, tokenizer and GLM processor load without a hub: the whole model's
+    config (text width = the tower's output width), GLM's processor configs and a byte-level tokenizer
+    holding GLM's special tokens. No weights: vLLM builds its model with dummy ones."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[MODEL]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GLM_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in GLM_TOKENS}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 8192, "chat_template": GLM_CHAT_TEMPLATE}))
+    out_hidden = preset.vision["out_hidden_size"]
+    text = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [1, 2, 2]},  # half of head_dim 20 * 0.5
+                bos_token_id=None, eos_token_id=ids["<|endoftext|>"])
+    cfg = AutoConfig.for_model(
+        "glm4v", vision_config=preset.vision, text_config=text,
+        image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
+    )
+    cfg.architectures = ["Glm4vForConditionalGeneration"]
+    cfg.save_pretrained(folder)
+    image = {**preset.preprocessor, "image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor"}
+    video = {**(preset.video_preprocessor or {}), "video_processor_type": "Glm4vVideoProcessor",
+             "processor_class": "Glm4vProcessor"}
+    (folder / "preprocessor_config.json").write_text(json.dumps(image))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    return folder
+
+
+def items() -> list[dict[str, Any]]:
+    return [{"type": kind, kind: base64.b64encode(data).decode()} for kind, data in MEDIA]
+
+
+def media_parts() -> list[dict[str, Any]]:
+    mimes = ["image/jpeg", "image/png", "video/mp4"]
+    return [{"type": f"{kind}_url", f"{kind}_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+            for (kind, data), mime in zip(MEDIA, mimes)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Any]:
+    python = vllm_python()
+    store = tmp_path_factory.mktemp("ec")
+    work = tmp_path_factory.mktemp("vllm")
+    cfg = settings(model=MODEL, ec_shared_storage=str(store), cache_bytes=64 << 20)
+    http: dict[str, Any] = {}
+    with ServerThread(cfg) as srv, srv.client() as c:
+        for name, body in {"float": {"items": items()}, "vllm": {"items": items(), "encoding_format": "vllm"},
+                           "ref": {"items": items(), "encoding_format": "vllm_ref"}}.items():
+            r = c.post("/encode", json=body)
+            assert r.status_code == 200, r.text
+            http[name] = r.json()["data"]
+        chat = sidecar.rewrite_chat(sidecar.chat_request("m", "Describe.", media_parts()), srv.url, mode="ref")
+    cases = [
+        {"name": "embeds", "parts": [e["content_part"] for e in http["vllm"]], "model": False},
+        {"name": "ref", "messages": chat["messages"], "consumer": str(store), "model": True},
+    ]
+    folder = write_vllm_glm_folder(work / MODEL)
+    request = {"models": [{"name": MODEL, "dir": str(folder), "dtype": "bfloat16", "cases": cases}],
+               "tensors_out": str(work / "out.safetensors")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", PYTHONPATH="")
+    proc = subprocess.run([python, str(ROOT / "tests" / "vllm_driver.py")], input=json.dumps(request), text=True,
+                          capture_output=True, timeout=900, cwd=work, env=env)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        pytest.fail(f"vLLM's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"http": http, "chat": chat, "cases": report["cases"], "tensors": load_file(request["tensors_out"])}
+
+
+def test_reference_parts_keep_the_media_and_load_vitserves_tensors(run):
+    """`vllm_ref` for GLM-4.1V: the part names the media by uuid; the sidecar keeps each media part and adds the
+    uuid; vLLM's GLM processor sizes every placeholder from the media to exactly vitserve's token count, the
+    connector finds and loads every file by the uuid, and the merge gives vitserve's rows."""
+    case = run["cases"][f"{MODEL}/ref"]
+    assert case["ok"], case.get("error")
+    ref = run["http"]["ref"]
+    uuids = [e["content_part"]["uuid"] for e in ref]
+    assert [e["content_part"] for e in ref] == [{"type": f"{k}_url", "uuid": u} for (k, _), u in zip(MEDIA, uuids)]
+    sent = [p for p in run["chat"]["messages"][0]["content"] if p["type"] != "text"]
+    assert [p["uuid"] for p in sent] == uuids and all(p[p["type"]]["url"].startswith("data:") for p in sent)
+    assert [f["identifier"] for f in case["features"]] == uuids == [e["content_id"] for e in ref]
+    assert case["has_cache"] == [True] * 3 and case["loaded"] == sorted(uuids)
+    for k, (feature, entry) in enumerate(zip(case["features"], run["http"]["float"])):
+        main, _ = reference(entry)
+        loaded = run["tensors"][f"{MODEL}/ref.enc.{k}"]
+        assert feature["num_embeds"] == loaded.shape[0] == entry["num_tokens"]
+        assert loaded.dtype == torch.float32 and torch.equal(loaded, main)
+        assert torch.equal(run["tensors"][f"{MODEL}/ref.merged.{k}"], main.to(VLLM_DTYPE))
+    video = case["features"][2]
+    assert video["modality"] == "video" and video["length"] > video["num_embeds"]  # GLM's per-frame timestamps
+
+
+def test_inline_parts_are_refused_by_vllm_and_flagged(run):
+    """vLLM 0.33's GLM-4.1V parser reads an `image_embeds` part as images and fails: vitserve's answer says so."""
+    case = run["cases"][f"{MODEL}/embeds"]
+    assert not case["ok"]
+    for entry in run["http"]["vllm"]:
+        assert entry["content_part"]["type"] == f"{entry['type']}_embeds"
+        assert "vllm_ref" in entry["warnings"][0]
+    assert all("warnings" not in e for e in run["http"]["ref"])
+
+
+def test_handed_off_keeps_the_media_of_a_media_reference():
+    from service.handoff.vllm import handed_off, reference_part
+
+    media = {"type": "image_url", "image_url": {"url": "http://x/cat.jpg"}}
+    glm = reference_part("image", (1, 4, 4), {}, "vit-1", "glm4v")
+    assert glm == {"type": "image_url", "uuid": "vit-1"}
+    assert handed_off(media, glm) == {**media, "uuid": "vit-1"}
+    qwen = reference_part("image", (1, 4, 4), {}, "vit-2", "qwen2_vl")
+    assert qwen["type"] == "image_embeds" and handed_off(media, qwen) == qwen
