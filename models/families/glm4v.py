@@ -105,7 +105,7 @@ def glm4v_dims(cfg: Any) -> Dims:
 GLM4V = register(Family(
     "glm4v", "GLM-4.1V", dims=glm4v_dims, norm="rms", norm_eps=1e-5, patch_bias=True, mlp="gated",
     qkv_bias=False, proj_bias=False, mlp_bias=False, image_sizing="glm4v", video_sampling="glm4v",
-    vllm_embedding_parts=False,
+    image_processor="Glm4vImageProcessor", vllm_embedding_parts=False,
     hf_class="Glm4vForConditionalGeneration", tower=GlmTower,
     # transformers' GLM vision model takes each temporal step of a video as its own (1, h, w) grid
     # (`get_video_features` flattens them so); references and benchmarks call it that way.
