@@ -225,3 +225,43 @@ def test_pixels_close_to_processor_with_resize(
     )
     assert mean_diff <= MAX_MEAN_LEVELS
     assert max_diff <= MAX_ABS_LEVELS
+
+
+# -- GLM-4.1V: the processor samples too --------------------------------------------------------------
+
+GLM_VIDEO = ProcessorConfig.from_dicts(
+    "glm4v",
+    {"size": {"shortest_edge": 12544, "longest_edge": 9633792}},
+    {"size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 64}, "fps": 2},
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("fps", [2.0, 5.0, 30.0])
+def test_glm_video_processor_picks_the_same_frames_grid_and_pixels(fps: float, device: str) -> None:
+    """transformers' Glm4vVideoProcessor given the whole decoded clip and its metadata samples the frames
+    itself: the same frames, the same grid, pixels within the resize bounds above."""
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    cfg = GLM_VIDEO
+    data = make_clip(96, 72, n_frames=23)  # 2.3 s at 10 fps: an odd frame count
+    out = preprocess_video_bytes(data, cfg, fps=fps)
+    frames, _ = decode_all(data)
+    video = torch.from_numpy(np.ascontiguousarray(frames.transpose(0, 3, 1, 2)))
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=10.0, duration=len(frames) / 10.0)
+    result = Glm4vVideoProcessor()(
+        [video], video_metadata=[metadata], do_sample_frames=True, fps=fps,
+        size={"shortest_edge": cfg.video.min_pixels, "longest_edge": cfg.video.max_pixels},
+        input_data_format="channels_first", device=device, return_tensors="pt", return_metadata=True,
+    )
+    assert result["video_metadata"][0].frames_indices.tolist() == out.meta["frame_indices"]
+    assert tuple(int(v) for v in result["video_grid_thw"][0]) == out.grid_thw
+    pixels = result["pixel_values_videos"].detach().cpu().numpy()
+    assert pixels.shape == out.pixels.shape
+    mean, std = cfg.channel_vectors()
+    rescale = np.float64(cfg.rescale_factor)
+    levels = pixels.astype(np.float64) * std / rescale + mean / rescale
+    diff = np.abs(levels - out.pixels.astype(np.float64))
+    print(f"\nglm4v fps {fps} on {device}: grid {out.grid_thw}, |diff| mean {diff.mean():.4f}, max {diff.max():.2f}")
+    assert float(diff.mean()) <= MAX_MEAN_LEVELS and float(diff.max()) <= MAX_ABS_LEVELS
