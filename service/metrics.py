@@ -222,6 +222,10 @@ class Metrics:
         self.cancelled = Counter("vitserve_cancelled_items", "Items whose request went away (client gone or timed "
                                  "out): dropped from the queue, or their result discarded", registry=r)
         self.ready = Gauge("vitserve_ready", "1 when the server accepts work", registry=r)
+        self.engine_rate = Gauge("vitserve_engine_rate_tokens_per_second",
+                                 "Merged tokens per second the engines get through together, measured over their "
+                                 "recent batches (0 until measured): what admission divides the work ahead by",
+                                 registry=r)
         self.connections_dropped = Counter(
             "vitserve_connections_dropped", "Connections closed without an answer to a request, by reason: "
             "idle_timeout (kept-alive, idle past --keep-alive-timeout-s), no_request (nothing sent within "

@@ -14,7 +14,7 @@ import pytest
 
 from service.engine import backends
 from service.engine.batcher import MAX_INFLIGHT
-from tests.http_helpers import ServerThread, b64, image_bytes, settings, slow_engine
+from tests.http_helpers import ServerThread, SubprocessServer, b64, image_bytes, settings, slow_engine
 
 IMAGE = image_bytes(200, 150, seed=3)  # 35 tokens with tiny-qwen2-vl
 BODY = {"items": [{"type": "image", "image": b64(IMAGE)}]}
@@ -82,6 +82,39 @@ def test_429_over_concurrent_requests(monkeypatch):
         r = c.post("/encode", json=BODY)
         assert r.status_code == 429 and "retry-after" in r.headers
         assert [f.result().status_code for f in running] == [200, 200]
+
+
+def test_429_at_once_for_work_that_cannot_finish_by_its_deadline():
+    """A burst several times what the engine can do within the request timeout: the requests that fit
+    get 200, the rest 429 with Retry-After at once (not 504 after the timeout), judged by the rate
+    measured over the engine's batches. The server runs in a process of its own: in this one, the
+    clients' threads would hold its event loop's interpreter."""
+    delay, timeout, burst = 0.5, 6.0, 24  # about 12 batches of one item fit in the timeout
+    flags = ("--request-timeout-s", str(timeout), "--max-batch-items", "1")
+    with SubprocessServer(*flags, env={"VITSERVE_MAX_WAIT_MS": "0"}, batch_delay_ms=delay * 1000) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        for _ in range(3):  # the rate is measured over a few batches first; until then nothing is refused
+            assert c.post("/encode", json=BODY).status_code == 200
+        assert 0 < metric(c, "vitserve_engine_rate_tokens_per_second") <= 35 / delay
+
+        def post(_: int) -> tuple[httpx.Response, float]:
+            """The response, and the seconds the server spent on it (its own measure: on a loaded machine,
+            a client thread's clock also counts its waits for a core)."""
+            r = httpx.post(srv.url + "/encode", json=BODY, timeout=60)
+            return r, float(r.headers["server-timing"].split("dur=")[1]) / 1000
+
+        with ThreadPoolExecutor(burst) as pool:
+            results = list(pool.map(post, range(burst)))
+        statuses = [r.status_code for r, _ in results]
+        assert set(statuses) == {200, 429}, str(sorted((r.status_code, round(e, 2)) for r, e in results))
+        assert statuses.count(200) >= 3, statuses  # what can finish is served
+        for r, elapsed in results:
+            if r.status_code == 429:
+                error = r.json()["error"]
+                assert (error["type"], error["code"]) == ("overloaded", "deadline_unreachable"), error
+                assert int(r.headers["retry-after"]) >= 1
+                assert elapsed < timeout / 2, str(sorted((r.status_code, round(e, 2)) for r, e in results))
+        assert c.post("/encode", json=BODY).status_code == 200  # once the burst is through
 
 
 def test_504_and_the_timed_out_items_are_dropped(monkeypatch):

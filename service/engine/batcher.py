@@ -65,6 +65,39 @@ class Work:
     enqueued: float = field(default_factory=time.monotonic)
 
 
+class Throughput:
+    """An engine's measured rate in merged tokens per second, over its recent batches.
+
+    A batch's service time is from its dispatch, or the engine's previous completion if it queued behind
+    one, to its own completion, as the front sees it: everything the engine spends on it (staging, the
+    device, writing its outputs) and nothing of the time it sat idle. The rate is decayed sums of tokens
+    over decayed sums of those times, so large batches weigh as much as their tokens (a lone small batch,
+    slower per token, does not drag down the estimate of a loaded engine). None until `MIN_BATCHES`
+    batches are measured: the first ones pay for warm-up."""
+
+    DECAY = 0.8  # per batch
+    MIN_BATCHES = 3
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self.batches = 0
+        self.last_done = 0.0
+
+    def add(self, tokens: int, dispatched: float, done: float) -> None:
+        busy = done - max(dispatched, self.last_done)
+        self.last_done = done
+        if busy <= 0:
+            return
+        self.tokens = self.tokens * self.DECAY + tokens
+        self.seconds = self.seconds * self.DECAY + busy
+        self.batches += 1
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.batches >= self.MIN_BATCHES and self.seconds > 0 else None
+
+
 @dataclass(eq=False)
 class _InFlight:
     engine: Backend
@@ -94,12 +127,14 @@ class Batcher:
         self._scheduled = False
         self.batches: dict[int, int] = {}  # engine index -> batches completed
         self.items: dict[int, int] = {}
+        self.throughput: dict[int, Throughput] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop, engines: list[Backend], model: ModelInfo) -> None:
         self.loop, self.engines, self.model = loop, engines, model
         for e in engines:
             self._outstanding[e.index] = 0
             self.batches[e.index] = self.items[e.index] = 0
+            self.throughput[e.index] = Throughput()
             e.attach(loop, self._on_reply, self._on_exit)
         self.kick()
 
@@ -121,6 +156,19 @@ class Batcher:
     @property
     def queued_tokens(self) -> int:
         return sum(w.tokens for w in self.queue)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Tokens handed to the engines and not yet returned."""
+        return sum(self._outstanding.values())
+
+    def rate(self) -> float | None:
+        """Merged tokens per second the live engines get through together, as measured; None until every
+        live engine has been measured (an engine not yet measured could be far slower or faster)."""
+        rates = [self.throughput[e.index].rate for e in self.engines if e.state == "ready"]
+        if not rates or None in rates:
+            return None
+        return sum(r for r in rates if r is not None)
 
     def _publish(self) -> None:
         self.metrics.queue_items.set(len(self.queue))
@@ -204,6 +252,8 @@ class Batcher:
             return
         self._outstanding[engine.index] -= flight.job.batch.tokens
         if kind == "done":  # the engine has retired the job's pixels, as it does on "error" too
+            self.throughput[engine.index].add(flight.job.batch.tokens, flight.dispatched, time.monotonic())
+            self.metrics.engine_rate.set(self.rate() or 0)
             _, _, seconds, device_s, stats, steps = message
             engine.stats = stats
             self.metrics.device_seconds.observe(device_s)
@@ -259,6 +309,7 @@ class Batcher:
             self._fail(f, EngineDied(f"engine {engine.index} ({engine.device}) exited (code {engine.exitcode}) "
                                      "while running this request; retry it"))
         self._outstanding[engine.index] = 0
+        self.throughput[engine.index] = Throughput()  # a replacement is measured afresh
         if engine.state == "stopped":
             return
         left = sum(e.state == "ready" for e in self.engines)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -53,6 +54,16 @@ log = logging.getLogger("vitserve.engine")
 INLINE_MEDIA_BYTES = 256 * 1024  # larger media go to a worker through a shared-memory segment
 
 
+# The share of a request's time left that the work ahead of it may take at the measured rate: the rest
+# is for decoding it, encoding its response, and the rate's error (the batches ahead may run slower
+# than the last ones did). A request admitted closer to its deadline ends, more often than not, in a 504
+# after the whole wait, where a 429 at once would have told its client to come back.
+DEADLINE_SHARE = 0.8
+PREPARE_WARM_UP = 2  # items prepared before their time is trusted
+PREPARE_DECAY = 0.8  # per item
+ITEM_TOKENS_DECAY = 0.9  # per item
+
+
 class Engine:
     def __init__(self, settings: ServeSettings, metrics: Metrics | None = None, runner: Any = None,
                  on_fatal: Callable[[str], None] | None = None) -> None:
@@ -73,6 +84,10 @@ class Engine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inflight = 0  # requests holding a slot
         self._reserved = 0  # tokens admitted and not yet handed to an engine
+        self._prepared = 0  # items prepared by the workers
+        self._unestimated = 0  # items on their way to a worker, their tokens not known yet
+        self._item_tokens: float | None = None  # tokens of one item, decayed mean of the estimates
+        self._prepare_s: float | None = None  # seconds a worker spends on one item, decayed mean
         self.metrics.attach_pool(_MergedStats(self.backends))
         self.metrics.attach_memory(self.memory)
         if len(self.backends) > 1:
@@ -242,8 +257,9 @@ class Engine:
     def family(self) -> str:
         return str(self.model.family or "") if self.model else ""
 
-    def _admit(self, tokens: int, request_tokens: int) -> None:
-        """Count an item's estimated tokens against the queue bound (before any decoding)."""
+    def _admit(self, tokens: int, request_tokens: int, deadline: float | None = None) -> None:
+        """Count an item's estimated tokens against the queue bound (before any decoding), and refuse it
+        if the work ahead of it cannot be done by its request's `deadline` (`time.monotonic()`)."""
         limit = self.settings.queue_tokens_limit
         if request_tokens > limit:
             raise RequestRejected(f"the request needs {request_tokens} tokens, above the queue limit of {limit} "
@@ -251,8 +267,46 @@ class Engine:
         if self._reserved + tokens > limit:
             raise Overloaded(f"the queue holds {self._reserved} tokens; {tokens} more would pass the limit of "
                              f"{limit}")
+        self._check_deadline(tokens, deadline)
         self._reserved += tokens
         self.metrics.queue_tokens.set(self._reserved)
+
+    def _check_deadline(self, tokens: int, deadline: float | None, before_workers: bool = False) -> None:
+        """429 now for work that would end in a 504: what is ahead of it takes longer than the time left
+        until `deadline` (`time.monotonic()`).
+
+        Ahead of an item: the tokens admitted before it (queued, or still being decoded) and those on the
+        engines, at the engines' measured rate. Ahead of a request that has not reached a worker yet
+        (`before_workers`), also the items still waiting for a worker, at the usual item's tokens, and
+        the media jobs queued or running, at the measured time of one over the workers. Decoding and
+        encoding proceed side by side, so the longer of the two is the least the request must wait.
+        Nothing is refused on a guess: a measure not taken yet counts for nothing (the token bound still
+        holds). Retry-After is when a request with a fresh deadline would fit, were nothing added.
+        """
+        if deadline is None:
+            return
+        waits: list[tuple[float, str]] = []
+        rate = self.batcher.rate()
+        if rate:
+            ahead = self._reserved + self.batcher.outstanding_tokens
+            if before_workers and self._item_tokens is not None:  # items ahead, not yet read: the usual size
+                ahead += round(self._unestimated * self._item_tokens)
+            waits.append(((ahead + tokens) / rate, f"{ahead + tokens} tokens to encode at the measured "
+                                                   f"{rate:.0f} tokens/s"))
+        if before_workers and self._prepare_s is not None:
+            stats = self.workers.stats()
+            jobs, workers = stats["busy"] + stats["queued"], max(1, stats["workers"])
+            waits.append((jobs / workers * self._prepare_s, f"{jobs} media jobs ahead for {workers} workers at "
+                                                             f"the measured {self._prepare_s * 1000:.0f} ms each"))
+        if not waits:
+            return
+        needed, why = max(waits)
+        left = deadline - time.monotonic()
+        if needed <= left * DEADLINE_SHARE:
+            return
+        wait = max(1, math.ceil(needed - self.settings.request_timeout_s * DEADLINE_SHARE))
+        raise Overloaded(f"the server is behind: {why} take about {needed:.1f}s, and the request has "
+                         f"{max(left, 0):.1f}s left (--request-timeout-s); retry later", wait, "deadline_unreachable")
 
     def _release(self, tokens: int) -> None:
         self._reserved -= tokens
@@ -265,15 +319,18 @@ class Engine:
     def new_request(self) -> Owner:
         return Owner(new_error_id().removeprefix("err-"))
 
-    async def encode(self, items: Sequence[MediaItem], request: Owner | None = None) -> list[ItemResult]:
+    async def encode(self, items: Sequence[MediaItem], request: Owner | None = None,
+                     deadline: float | None = None) -> list[ItemResult]:
         """Prepare, admit, batch and run `items`; their results, in order. Called by requests that hold
         a slot, so a drain that began meanwhile does not refuse them: it waits for them. The first item
         that fails fails the request; cancelling the call (deadline, client gone) or a failure cancels
-        all of the request's work."""
+        all of the request's work. `deadline` (`time.monotonic()`): refused at once with 429 if the work
+        ahead cannot be done by then (before any decoding), and each item again with its own tokens."""
         self._check_admitted()
+        self._check_deadline(0, deadline, before_workers=True)
         request = request or self.new_request()
         started = time.monotonic()
-        tally = {"tokens": 0}
+        tally: dict[str, Any] = {"tokens": 0, "deadline": deadline}
         jobs = [asyncio.ensure_future(self._prepare(request, it, tally)) for it in items]
         for job in jobs:  # failures after the first are not news
             job.add_done_callback(lambda j: j.cancelled() or j.exception())
@@ -314,7 +371,7 @@ class Engine:
             self.workers.cancel(request)
             self.batcher.kick()
 
-    async def _prepare(self, request: Owner, item: MediaItem, tally: dict[str, int]) -> Work:
+    async def _prepare(self, request: Owner, item: MediaItem, tally: dict[str, Any]) -> Work:
         model = self.model
         assert model is not None
         options = self._options(item, model.processor)
@@ -323,14 +380,21 @@ class Engine:
         source = bytes(item.data) if len(item.data) <= INLINE_MEDIA_BYTES else self.names.next("in")
         pixels = self.names.next("px")
         reserved = 0
+        estimated = False
 
         def admit(cost: Estimate) -> bool:
-            nonlocal reserved
+            nonlocal reserved, estimated
+            if not estimated:
+                estimated = True
+                self._unestimated -= 1
+                self._item_tokens = cost.tokens if self._item_tokens is None else \
+                    ITEM_TOKENS_DECAY * self._item_tokens + (1 - ITEM_TOKENS_DECAY) * cost.tokens
             tally["tokens"] += cost.tokens
-            self._admit(cost.tokens, tally["tokens"])
+            self._admit(cost.tokens, tally["tokens"], tally["deadline"])
             reserved = cost.tokens
             return True
 
+        self._unestimated += 1
         try:
             if isinstance(source, str):
                 try:
@@ -360,9 +424,15 @@ class Engine:
             self._release(reserved)
             raise
         finally:
+            if not estimated:
+                self._unestimated -= 1
             if isinstance(source, str):
                 shm.unlink(source)
         self.metrics.preprocess_seconds.observe(prepared.seconds)
+        self._prepared += 1
+        if self._prepared > PREPARE_WARM_UP:  # a worker's first items pay for its warm-up
+            self._prepare_s = prepared.seconds if self._prepare_s is None else \
+                PREPARE_DECAY * self._prepare_s + (1 - PREPARE_DECAY) * prepared.seconds
         tokens = prepared.num_patches // model.merge_unit
         self._release(reserved - tokens)  # the queue counts the exact tokens from here on
         assert self.loop is not None

@@ -46,12 +46,13 @@ class RequestRejected(EngineError):
 
 
 class Overloaded(EngineError):
-    """Admission refused: too much queued or in flight (429)."""
+    """Admission refused: too much queued or in flight, or more work ahead than the request's deadline
+    leaves time for (429, with the seconds to wait before a retry)."""
 
     code = "overloaded"
 
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code)
         self.retry_after = retry_after
 
 

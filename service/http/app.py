@@ -184,17 +184,18 @@ class Service:
         with self.engine.request_slot():
             owner = self.engine.new_request()
             try:
+                deadline = time.monotonic() + self.settings.request_timeout_s
                 async with asyncio.timeout(self.settings.request_timeout_s):
                     started = time.perf_counter()
                     body = await self.read_body(request)
                     self.metrics.phase_seconds.labels("body").observe(time.perf_counter() - started)
                     # One watcher for the client going away, from the end of the body to the response.
-                    return await self.until_gone(request, self._encode(request, owner, body))
+                    return await self.until_gone(request, self._encode(request, owner, body, deadline))
             except BaseException:
                 self.engine.cancel(owner)  # whatever it still runs stops: media jobs, queued items, encodes
                 raise
 
-    async def _encode(self, request: Request, owner: Owner, body: bytes) -> Response:
+    async def _encode(self, request: Request, owner: Owner, body: bytes, deadline: float) -> Response:
         started = time.perf_counter()
         parsed = await self.parse(request, body)
         del body
@@ -204,7 +205,7 @@ class Service:
         model = self.engine.model
         assert model is not None  # loaded: handle_encode's check_accepting passed
         results = await self.handoff.encode(items, parsed.output.encoding_format, model,
-                                            lambda todo: self.engine.encode(todo, owner), self.run_in_pool)
+                                            lambda todo: self.engine.encode(todo, owner, deadline), self.run_in_pool)
         try:
             started = time.perf_counter()
             response = await self.render(request, owner, results, parsed.output)
@@ -299,7 +300,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (413, "body over --max-payload-bytes"),
         (415, "neither JSON nor multipart"),
         (422, "invalid request or item (the error names the item index)"),
-        (429, "over --max-queued-tokens or --max-concurrent-requests; see Retry-After"),
+        (429, "over --max-queued-tokens or --max-concurrent-requests, or more work ahead than the request's "
+              "--request-timeout-s leaves time for (deadline_unreachable); see Retry-After"),
         (500, "internal error; error_id is logged with the traceback"),
         (503, "starting or shutting down, the engine running the request exited (engine_failed), a worker "
               "process was lost (worker_lost), or the --ec-shared-storage folder cannot be written "
