@@ -5,6 +5,7 @@ a counted 404, the API key applies, an answered output outlives the cache's boun
 from __future__ import annotations
 
 import base64
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -68,6 +69,11 @@ def test_a_client_id_names_the_output_and_the_api_key_applies():
         assert part["uuid"] == "mine-1"
         by_id = c.get("/v1/encoder_cache/mine-1")
         assert by_id.status_code == 200
+        cache = srv.app.state.service.handoff.cache
+        deadline = time.monotonic() + 5
+        while cache._pins and time.monotonic() < deadline:  # the body is sent from the segment, then unpinned
+            time.sleep(0.01)
+        assert not cache._pins
         assert httpx.get(srv.url + "/v1/encoder_cache/mine-1").status_code == 401
         r = c.post("/encode", json={"items": [{"type": "image", "image": b64(PNG)}], "encoding_format": "base64"})
         got = load(by_id.content)[TENSOR_KEY]

@@ -6,9 +6,9 @@ cache (`--cache misses|hits`), and what a sidecar's figures need beyond the load
   Hits: the few bench images again and again, cached by the warm-up.
 - `server_times`: requests one after another, each with the server's own time (`server-timing`), which
   leaves the client and the loopback out: what a cache hit costs the server.
-- `fetch_times` (vllm_ref): the LLM server's side, as `VitserveConnector` loads an output: GET
-  /v1/encoder_cache/{id} on a keep-alive connection, the tensor made over the body, and (on a GPU) its copy
-  to the device.
+- `fetch_times` (vllm_ref): the LLM server's side, as `VitserveConnector` loads an output (`ec_client.Loader`):
+  GET /v1/encoder_cache/{id} on a keep-alive connection, the tensor over the body, and on a GPU its copy to
+  the device (waited for).
 """
 
 from __future__ import annotations
@@ -137,21 +137,20 @@ def server_times(base_url: str, bodies: Sequence[bytes], n: int, api_key: str | 
 
 def fetch_times(base_url: str, item_id: str, n: int, api_key: str | None, device: str) -> dict[str, Any]:
     """`n` loads of one output as the connector makes them; p50 of the whole load and of the server's time."""
-    from service.handoff.ec_client import Replicas, to_tensor
+    import torch
 
+    from service.handoff.ec_client import Loader, Replicas
+
+    if device == "auto":
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
     replicas = Replicas([base_url], api_key)
+    loader = Loader(replicas, "cuda:0" if device == "cuda" else device)
     total, server = [], []
     shape: list[int] = []
     try:
-        import torch
-
         for _ in range(n):
             t0 = time.perf_counter()
-            body, header = replicas.fetch(item_id)
-            tensor = to_tensor(body, header)
-            if device.startswith("cuda"):
-                tensor = tensor.to(device)
-                torch.cuda.synchronize(device)
+            tensor, _ = loader.load(item_id)
             total.append(time.perf_counter() - t0)
             shape = list(tensor.shape)
         conn, prefix = _connection(base_url)  # the server's own time for the same GET

@@ -16,7 +16,7 @@ import json
 import struct
 import threading
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,8 +77,10 @@ class Replicas:
         return conn
 
     def request(self, url: str, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, bytearray]:
-        """(status, body) of one request to the replica at `url`, on this thread's connection."""
+                headers: dict[str, str] | None = None,
+                buffer: Callable[[int], memoryview] | None = None) -> tuple[int, bytearray | memoryview]:
+        """(status, body) of one request to the replica at `url`, on this thread's connection; a 200's body
+        with a length is read into `buffer(length)` when given (a reused, pinned staging buffer)."""
         prefix = urllib.parse.urlsplit(url).path
         for attempt in range(2):
             conn = self._connection(url, fresh=attempt > 0)
@@ -86,14 +88,16 @@ class Replicas:
                 conn.request(method, prefix + path, body=body, headers={**self.headers, **(headers or {})})
                 resp = conn.getresponse()
                 length = resp.getheader("content-length")
+                data: bytearray | memoryview
                 if length is not None and length.isdigit():
-                    data = bytearray(int(length))
+                    size = int(length)
+                    data = buffer(size)[:size] if buffer is not None and resp.status == 200 else bytearray(size)
                     view = memoryview(data)
                     got = 0
-                    while got < len(data):
+                    while got < size:
                         n = resp.readinto(view[got:])
                         if not n:
-                            raise http.client.IncompleteRead(bytes(view[:got]), len(data) - got)
+                            raise http.client.IncompleteRead(bytes(view[:got]), size - got)
                         got += n
                 else:
                     data = bytearray(resp.read())
@@ -132,11 +136,13 @@ class Replicas:
             raise CheckIncomplete(out, error)
         return out
 
-    def fetch(self, item_id: str) -> tuple[bytearray, dict[str, Any]]:
-        """The safetensors body for `item_id` from its replica, and its parsed header."""
+    def fetch(self, item_id: str, buffer: Callable[[int], memoryview] | None = None
+              ) -> tuple[bytearray | memoryview, dict[str, Any]]:
+        """The safetensors body for `item_id` from its replica (read into `buffer(length)` when given), and its
+        parsed header."""
         url = self.replica_for(item_id)
         path = "/v1/encoder_cache/" + urllib.parse.quote(item_id, safe="")
-        status, body = self.request(url, "GET", path)
+        status, body = self.request(url, "GET", path, buffer=buffer)
         if status != 200:
             raise FetchError(f"GET {url}{path}: HTTP {status}: {bytes(body[:300])!r}", status)
         return body, parse_header(body)
@@ -154,7 +160,7 @@ class CheckIncomplete(FetchError):
         self.found = found
 
 
-def parse_header(body: bytes | bytearray) -> dict[str, Any]:
+def parse_header(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     """A safetensors body's header, checked to hold one tensor `ec_cache` that fits in the body."""
     if len(body) < 8:
         raise FetchError("not a safetensors body: shorter than its header's length")
@@ -175,13 +181,52 @@ def parse_header(body: bytes | bytearray) -> dict[str, Any]:
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def to_tensor(body: bytearray, header: dict[str, Any]) -> torch.Tensor:
-    """The `ec_cache` tensor over `body`'s bytes (no copy: the tensor owns the body from now on)."""
+def to_tensor(body: bytearray | memoryview, header: dict[str, Any], staging: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The `ec_cache` tensor over `body`'s bytes, no copy: over `staging` (the uint8 tensor `body` was read
+    into) when given, else over `body`, which the tensor then owns."""
     import torch
 
     spec = header[TENSOR_KEY]
     start, end = spec["data_offsets"]
     base = header["_data_start"]
     dtype = getattr(torch, _DTYPES[spec["dtype"]])
-    flat = torch.frombuffer(memoryview(body)[base + start:base + end], dtype=dtype)
+    if staging is not None:
+        flat = staging[base + start:base + end].view(dtype)
+    else:
+        flat = torch.frombuffer(memoryview(body)[base + start:base + end], dtype=dtype)
     return flat.view(*spec["shape"])
+
+
+class Loader:
+    """Outputs onto a device as the connector loads them. For a GPU, each thread reads bodies into its own
+    pinned staging buffer, reused from load to load, and copies the tensor from there: no fresh host
+    memory to fault in per load, and the copy to the device runs at pinned speed."""
+
+    def __init__(self, replicas: Replicas, device: str) -> None:
+        self.replicas = replicas
+        self.device = device
+        self._local = threading.local()
+
+    def _staging(self, size: int) -> torch.Tensor:
+        import torch
+
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.numel() < size:
+            buf = self._local.staging = torch.empty(max(size, 4 << 20), dtype=torch.uint8, pin_memory=True)
+        return buf
+
+    def load(self, item_id: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(the output on the device, the body's header)."""
+        if self.device == "cpu":
+            body, header = self.replicas.fetch(item_id)
+            return to_tensor(body, header), header
+        used: list[torch.Tensor] = []
+
+        def buffer(size: int) -> memoryview:
+            used.append(self._staging(size))
+            return memoryview(used[-1].numpy())
+
+        body, header = self.replicas.fetch(item_id, buffer)
+        tensor = to_tensor(body, header, used[0] if used else None)
+        return tensor.to(self.device), header  # waits for the copy: the staging buffer is free again after

@@ -314,12 +314,17 @@ class Handoff:
             "meta": json.dumps(meta, separators=(",", ":")),
         }
 
+    def file_head(self, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> bytes:
+        """The safetensors header of `entry`'s file: its rows follow it as they sit in the segment."""
+        ref = entry.output
+        return safetensors_head(SAFETENSORS_DTYPES[getattr(torch, ref.dtype)], (ref.rows, ref.width), ref.nbytes,
+                                self.file_metadata(cid, entry, identity, model))
+
     def file_body(self, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> bytearray:
         """The whole safetensors file of `entry` (one tensor `ec_cache`, the rows in the served dtype), read
         straight from its segment behind the header: one copy of the rows."""
         ref = entry.output
-        head = safetensors_head(SAFETENSORS_DTYPES[getattr(torch, ref.dtype)], (ref.rows, ref.width), ref.nbytes,
-                                self.file_metadata(cid, entry, identity, model))
+        head = self.file_head(cid, entry, identity, model)
         body = bytearray(len(head) + ref.nbytes)
         body[:len(head)] = head
         if ref.nbytes:

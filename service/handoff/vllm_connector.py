@@ -48,7 +48,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from service.handoff.ec_client import CheckIncomplete, FetchError, Replicas, to_tensor
+from service.handoff.ec_client import CheckIncomplete, FetchError, Loader, Replicas
 
 if TYPE_CHECKING:
     import torch
@@ -96,7 +96,7 @@ class VitserveConnector(ECConnectorBase):
         self._to_load: dict[str, int] = {}
         # worker side
         self._loader: ThreadPoolExecutor | None = None
-        self._device: str | None = None
+        self._device_loader: Loader | None = None
         self.fetches = 0
         self.fetch_seconds = 0.0
 
@@ -188,30 +188,31 @@ class VitserveConnector(ECConnectorBase):
         return meta
 
     # ---- worker side -----------------------------------------------------------------------
-    def _worker_device(self) -> str:
-        if self._device is None:
+    def _worker_loader(self) -> Loader:
+        if self._device_loader is None:
             from vllm.platforms import current_platform
 
             device = current_platform.device_type
             if current_platform.is_cuda_alike():
                 device = f"{device}:{current_platform.current_device()}"
-            self._device = device
-        return self._device
+            self._device_loader = Loader(self.replicas, device)
+        return self._device_loader
 
     def load_one(self, item: LoadItem) -> torch.Tensor:
         """One output from its replica onto this worker's device, checked."""
         started = time.perf_counter()
-        body, header = self.replicas.fetch(item.identifier)
-        tensor = to_tensor(body, header)
+        loader = self._worker_loader()
+        if loader.device == "cpu":
+            tensor, header = loader.load(item.identifier)
+        else:
+            with _sync_allowed():
+                tensor, header = loader.load(item.identifier)
         named = (header.get("__metadata__") or {}).get("content_id")
         if item.identifier.startswith("vit-") and named not in (None, item.identifier):
             raise FetchError(f"vitserve answered {item.identifier} with the output of {named}")
         if tensor.dim() != 2 or tensor.shape[0] < item.rows:
             raise FetchError(f"encoder output {item.identifier} has shape {tuple(tensor.shape)}: the prompt's "
                              f"placeholder needs {item.rows} rows")
-        device = self._worker_device()
-        if device != "cpu":
-            tensor = _to_device(tensor, device)
         self.fetches += 1
         self.fetch_seconds += time.perf_counter() - started
         return tensor
@@ -242,10 +243,12 @@ class VitserveConnector(ECConnectorBase):
         self.replicas.close()
 
 
-def _to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+def _sync_allowed() -> Any:
+    """vLLM's permission to wait on the device (the copy from the staging buffer), where vLLM checks it."""
     try:
         from vllm.utils.gpu_sync_debug import gpu_sync_allowed
     except ImportError:  # a vLLM without the sync checker
-        return tensor.to(device)
-    with gpu_sync_allowed():
-        return tensor.to(device)
+        from contextlib import nullcontext
+
+        return nullcontext()
+    return gpu_sync_allowed()

@@ -13,12 +13,15 @@ applies. With several fronts, an id another front answered is asked of its sibli
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
 
+from service import shm
 from service.handoff.ec_storage import id_problem
 from service.http.errors import ApiError
 from service.http.fronts import SIBLING_TIMEOUT_S, FrontRole
@@ -28,9 +31,6 @@ if TYPE_CHECKING:
     from service.http.app import Service
 
 SAFETENSORS = "application/vnd.safetensors"
-# A body up to this size is read from its segment on the event loop: one pread, cheaper than a thread's
-# round trip (a 448x448 image's 1.8 MB in about 0.1 ms).
-READ_HERE_BYTES = 4 << 20
 
 
 class CheckRequest(BaseModel):
@@ -39,6 +39,23 @@ class CheckRequest(BaseModel):
 
 class CheckResponse(BaseModel):
     present: list[bool] = Field(description="per id: GET /v1/encoder_cache/{id} would find it (it is now held)")
+
+
+class PinnedResponse(PartsResponse):
+    """A body sent from a cached output's segment: `done` unpins the entry once the body is sent, or the
+    client went away meanwhile."""
+
+    def __init__(self, parts: list[Any], media_type: str, headers: dict[str, str],
+                 done: Callable[[], None] | None = None) -> None:
+        super().__init__(parts, media_type, headers)
+        self.done = done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.done is not None:
+                self.done()
 
 
 def install(app: FastAPI, service: Service, front: FrontRole | None) -> None:
@@ -66,40 +83,46 @@ def install(app: FastAPI, service: Service, front: FrontRole | None) -> None:
         started = time.perf_counter()
         try:
             service.check_auth(request)
-            body = await local_body(service, item_id)
-            if body is None and front is not None and front.count > 1 and scope != "front":
+            parts, done = await local_body(service, item_id)
+            if parts is None and front is not None and front.count > 1 and scope != "front":
                 body = await sibling_body(front, item_id, request.headers.get("authorization"))
+                parts = None if body is None else [body]
             if scope != "front":
-                service.handoff.count_fetch(body is not None)
-            if body is None:
+                service.handoff.count_fetch(parts is not None)
+            if parts is None:
                 raise ApiError(404, "not_found", f"no encoder output under id {item_id!r}: never made here, or "
                                                  "evicted before it was fetched (--cache-bytes, --cache-hold-s)",
                                "unknown_id")
-            response: Response = PartsResponse([body], SAFETENSORS, {})
+            response: Response = PinnedResponse(parts, SAFETENSORS, {}, done=done)
         except ApiError as exc:
             response = exc.response()
         response.headers["server-timing"] = f"encoder_cache;dur={(time.perf_counter() - started) * 1000:.3f}"
         return response
 
 
-async def local_body(service: Service, item_id: str) -> bytes | bytearray | None:
+async def local_body(service: Service, item_id: str) -> tuple[list[Any] | None, Callable[[], None] | None]:
+    """(the body's parts, what to call once they are sent), or (None, None). A cached output is sent from
+    its segment, mapped (no copy here; large bodies go to the socket from a writer thread), and stays
+    pinned in the cache until the response is sent."""
     if id_problem(item_id):
-        return None
+        return None, None
     handoff = service.handoff
     model = service.engine.model
     found = handoff.encoder_cache_entry(item_id) if model is not None else None
     if found is not None:
         cid, entry = found
         try:
-            identity = handoff.identity(model)  # type: ignore[arg-type]
-            if entry.output.nbytes <= READ_HERE_BYTES:
-                return handoff.file_body(cid, entry, identity, model)  # type: ignore[arg-type]
-            return await service.run_in_pool(handoff.file_body, cid, entry, identity, model)
-        finally:
+            head = handoff.file_head(cid, entry, handoff.identity(model), model)  # type: ignore[arg-type]
+            rows = memoryview(shm.open_segment(entry.output.segment))[:entry.output.nbytes] if entry.output.nbytes \
+                else memoryview(b"")
+        except BaseException:
             handoff.release_entry(entry)
+            raise
+        return [head, rows], lambda: handoff.release_entry(entry)
     if handoff.storage is not None:
-        return await service.run_in_pool(handoff.stored_file, item_id)
-    return None
+        body = await service.run_in_pool(handoff.stored_file, item_id)
+        return (None, None) if body is None else ([body], None)
+    return None, None
 
 
 async def sibling_body(front: FrontRole, item_id: str, authorization: str | None) -> bytes | None:
