@@ -109,7 +109,18 @@ class ProcessorConfig:
         image = json.loads((folder / "preprocessor_config.json").read_text())
         video_path = folder / "video_preprocessor_config.json"
         video = json.loads(video_path.read_text()) if video_path.exists() else None
+        if video is None and _follows_transformers_video_processor(family):
+            video = image  # transformers' video processors read preprocessor_config.json when theirs is missing
         return cls.from_dicts(family, image, video)
+
+
+def _follows_transformers_video_processor(family: str) -> bool:
+    """Whether the family samples videos as a transformers video processor does (Qwen3-VL's, GLM's), rather
+    than as qwen-vl-utils does (Qwen2-VL's, whose defaults are VideoConfig's)."""
+    from models.families import FAMILIES  # the registry imports the towers: only when reading a folder
+
+    spec = FAMILIES.get(family)
+    return spec is not None and spec.video_sampling != "qwen2"
 
 
 @dataclass

@@ -198,3 +198,14 @@ def test_glm_max_frames_spreads_frames_over_the_clip() -> None:
     plan = plan_sampling(GLM_VIDEO, 600, 30.0, VideoOptions(max_frames=6))  # 20 s at 2 fps would be 40
     assert plan.indices.tolist() == glm_frame_indices(600, 30.0, nframes=6).tolist() == [0, 120, 240, 360, 480, 599]
     assert plan.fps_adjusted_by == "max_frames"
+
+
+def test_a_missing_video_config_falls_back_to_the_image_one_as_transformers_does(tmp_path) -> None:
+    import json
+
+    image = {"size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 99}, "patch_size": 14}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(image))
+    cfg = ProcessorConfig.from_folder(tmp_path, "glm4v")
+    assert (cfg.video.min_pixels, cfg.video.max_pixels) == (12544, 28 * 28 * 2 * 99)
+    qwen2 = ProcessorConfig.from_folder(tmp_path, "qwen2_vl")  # qwen-vl-utils' own defaults stay
+    assert qwen2.video.max_pixels == ProcessorConfig().video.max_pixels
