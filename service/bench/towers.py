@@ -24,7 +24,7 @@ from models import VisualInput, kernels, load_tower
 from models.presets import PRESETS, full_config
 
 log = logging.getLogger("vitserve.bench")
-DEFAULT_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b"]
+DEFAULT_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
 
 
 def workloads(patch: int, seed: int = 0) -> dict[str, list[tuple[int, int, int]]]:
