@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, PngImagePlugin
 
 from models.config import ProcessorConfig
 from service.media import DEFAULT_MAX_IMAGE_PIXELS, MediaError, decode_image, sniff_format, to_rgb
@@ -431,3 +431,34 @@ def _split_idat(data: bytes, size: int) -> bytes:
     idats = b"".join(png_chunk(b"IDAT", payload[i : i + size]) for i in range(0, len(payload), size))
     text = png_chunk(b"tEXt", b"Comment\x00after the image data")
     return data[:8] + head + idats + text + tail
+
+
+def _xmp(zip_: bool, itxt: bool) -> PngImagePlugin.PngInfo:
+    info = PngImagePlugin.PngInfo()
+    packet = '<x:xmpmeta xmlns:x="adobe:ns:meta/">' + "<rdf:li>keyword</rdf:li>" * 100_000 + "</x:xmpmeta>"
+    if itxt:
+        info.add_itxt("XML:com.adobe.xmp", packet, zip=zip_)
+    else:
+        info.add_text("XML:com.adobe.xmp", packet, zip=zip_)
+    return info
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"icc_profile": bytes(range(256)) * 8192},  # 2 MiB profile: over Pillow's 1 MiB per chunk
+        {"pnginfo": _xmp(zip_=True, itxt=False)},  # zTXt, 2.4 MB decompressed
+        {"pnginfo": _xmp(zip_=True, itxt=True)},  # compressed iTXt, as editors write XMP
+    ],
+    ids=["iCCP", "zTXt", "iTXt"],
+)
+def test_png_with_metadata_over_pillows_chunk_limit_is_decoded(rgb_array: np.ndarray, metadata: dict) -> None:
+    """A valid PNG whose ICC profile or XMP packet decompresses past PngImagePlugin.MAX_TEXT_CHUNK: Pillow
+    refuses the whole file, but no pixel depends on those chunks, so it is read without them."""
+    data = encode(Image.fromarray(rgb_array, "RGB"), "PNG", **metadata)
+    with pytest.raises(ValueError):  # what Pillow alone makes of it
+        Image.open(io.BytesIO(data)).load()
+    assert np.array_equal(np.asarray(decode_image(data)), rgb_array)
+    # Still strict about the image itself: the same file cut in its pixel data is corrupt.
+    cut = data.index(b"IDAT") + 20
+    assert_media_error(data[:cut], "corrupt_image", "PNG")

@@ -22,7 +22,9 @@ a row boundary. So:
   a scan short by less than the bound allows still gets grey blocks.
 * PNG (not animated): the zlib stream is handed over without its 4-byte Adler-32 trailer, so the
   decoder can only finish by filling every row; a stream that ends early leaves it waiting for data
-  and Pillow reports the file as truncated.
+  and Pillow reports the file as truncated. A header Pillow cannot read because of its metadata (an
+  ICC profile or XMP text over its 1 MiB per chunk) is read again without those chunks, which change
+  no pixel (`_PNG_METADATA`).
 
 RGB conversion follows the transformers processors' `convert_to_rgb`: anything with an alpha band
 or a `transparency` entry is alpha-composited onto opaque white, everything else goes through
@@ -155,9 +157,41 @@ def _open(data: bytes | bytearray | memoryview, fmt: str) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaError(f"image header claims a decompression bomb: {exc}", TOO_LARGE) from exc
     except Exception as exc:  # Pillow raises many types on hostile headers; all mean "corrupt".
+        bare = _png_without_metadata(bytes(data)) if fmt == "PNG" else None
+        if bare is not None:
+            return _open(bare, fmt)
         raise MediaError(
             f"{fmt} data is corrupt or truncated: cannot read its header", CORRUPT_IMAGE
         ) from exc
+
+
+# Ancillary PNG chunks that change no pixel as decoded here: an ICC profile (never applied: the
+# reference processors ignore it too) and text (XMP, comments). Pillow decompresses each into memory
+# and refuses one over PngImagePlugin.MAX_TEXT_CHUNK (1 MiB) as an error of the whole file, so a
+# valid image from a camera or an editor with a large profile or XMP packet would be refused as
+# corrupt. When a header cannot be read, it is read again without them.
+_PNG_METADATA = (b"iCCP", b"tEXt", b"zTXt", b"iTXt")
+
+
+def _png_without_metadata(data: bytes) -> bytes | None:
+    """`data` without its metadata chunks (`_PNG_METADATA`), or None if it has none, or its chunks
+    cannot be walked."""
+    pos, n = 8, len(data)
+    kept = [data[:8]]
+    dropped = False
+    while pos + 12 <= n:
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        end = pos + 12 + length
+        if end > n:
+            return None
+        if kind in _PNG_METADATA:
+            dropped = True
+        else:
+            kept.append(data[pos:end])
+        pos = end
+        if kind == b"IEND":
+            break
+    return b"".join(kept) if dropped else None
 
 
 @dataclass(frozen=True)
