@@ -17,6 +17,9 @@ way FFmpeg's demuxers derive it:
   FFmpeg leaves the stream id at 0 here, so the track is the n-th video track entry (n = the stream's place
   among the video streams that are not cover art, which FFmpeg adds after the tracks).
 
+`matroska_declared_end` reads where a Matroska Segment says it ends: past the end of the data, the file was
+cut (Matroska has no frame count to compare with, and a cut cluster demuxes quietly).
+
 Every walk is bounded (at most `_MAX_ELEMENTS` boxes, elements or chunks); when the header cannot be read
 this way the answer is "no size" / "no matrix", and FFmpeg's reading stays the authority.
 """
@@ -252,6 +255,27 @@ def _float(data: memoryview, start: int, end: int) -> float:
     if end - start == 8:
         return struct.unpack_from(">d", data, start)[0]
     return 0.0
+
+
+def matroska_declared_end(data: bytes | bytearray | memoryview) -> int | None:
+    """Where the Segment of a Matroska/WebM file says it ends (its offset plus its declared size), or
+    None when its size is unknown (a live stream) or the head cannot be read. A muxer that can seek
+    back writes the true size there, so a larger value than the file's length means a cut file, the
+    counterpart of an MP4 track whose sample table lists more frames than the file holds."""
+    view = memoryview(data)
+    pos = 0
+    try:
+        for _ in range(8):  # the EBML header, maybe Void elements, then the Segment
+            element_id, n = _vint(view, pos, keep_marker=True)
+            size, m = _vint(view, pos + n, keep_marker=False)
+            if element_id == _SEGMENT:
+                return None if size is None else pos + n + m + size
+            if size is None:
+                return None
+            pos += n + m + size
+    except (ValueError, IndexError):
+        return None
+    return None
 
 
 def _matroska_tracks_element(data: memoryview, budget: list[int]) -> tuple[int, int] | None:

@@ -62,6 +62,7 @@ from service.media.headers import (
     Orientation,
     container_display_matrix,
     declared_frame_sizes,
+    matroska_declared_end,
     orientation_from_matrix,
     orientation_from_rotate_tag,
 )
@@ -208,6 +209,11 @@ class VideoReader:
         self._decoder_used = False  # flush before reuse: an earlier read may have drained it
         self._time_base = stream.time_base or Fraction(1, 1)
         check_declared_length(stream, self.limits.max_stream_frames)
+        if container_name == "matroska":
+            declared = matroska_declared_end(raw)
+            if declared is not None and declared > len(raw):
+                raise MediaError(reason=f"the video is truncated: its Matroska segment ends at byte {declared}, the "
+                                 f"file holds {len(raw)} bytes", code=TRUNCATED_VIDEO)
         index = index_packets(
             self._container, stream, self._time_base, self.limits.max_stream_frames, keep_packets=not self.index_only
         )
