@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import json
 import os
 import re
 import shlex
@@ -39,6 +40,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 INSTALL_DEPS = ROOT / "docker" / "install-deps.sh"
 FULL_VALUES = ROOT / "tests" / "data" / "helm-values-full.yaml"
 SIDECAR_VALUES = CHART / "examples" / "sidecar-values.yaml"
+CONNECTOR_VALUES = CHART / "examples" / "connector-values.yaml"
+VLLM_CONNECTOR = CHART / "examples" / "vllm-connector.yaml"
 DOCS = ROOT / "docs" / "deployment.md"
 
 # The project's one torch pin: CI installs its CPU build (from local disk on the CI machine), the image its
@@ -353,6 +356,7 @@ VALUE_SETS: dict[str, Any] = {
     "default": None,
     "full": FULL_VALUES,
     "sidecar": SIDECAR_VALUES,
+    "connector": CONNECTOR_VALUES,
     "pvc": PVC_VALUES,
     "init-container": INIT_CONTAINER_VALUES,
 }
@@ -719,6 +723,32 @@ def test_sidecar_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert limit.endswith("Gi") and int(env["VITSERVE_EC_MAX_BYTES"]) < int(limit[:-2]) * 2**30
     service = _one(objects, "Service")
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "openai"}
+
+
+def test_connector_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """vitserve's OpenAI front before a vLLM on another node, joined by VitserveConnector over HTTP: the URL
+    the connector is given is the chart's Service, and vitserve forwards to vLLM's Service."""
+    objects = rendered["connector"]
+    (container,) = _one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    service = _one(objects, "Service")
+    vit_url = f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert container["ports"][0]["containerPort"] == 8100 and vit_url == "http://vitserve:8100"
+    vllm_objects = list(yaml.safe_load_all(VLLM_CONNECTOR.read_text()))
+    deployment = next(o for o in vllm_objects if o["kind"] == "Deployment")
+    vllm_service = next(o for o in vllm_objects if o["kind"] == "Service")
+    assert env["VITSERVE_LLM_URL"] == f"http://{vllm_service['metadata']['name']}:{vllm_service['spec']['ports'][0]['port']}"
+    (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
+    (flag,) = [a for a in vllm["args"] if a.startswith("--ec-transfer-config=")]
+    config = json.loads(flag.split("=", 1)[1])
+    assert config == {"ec_connector": "VitserveConnector", "ec_connector_module_path": "service.handoff.vllm_connector",
+                      "ec_role": "ec_consumer", "ec_connector_extra_config": {"url": vit_url}}
+    assert vllm["image"].endswith(":v0.33.0")
+    anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == "kubernetes.io/hostname"
+    shm_limit = next(v for v in _one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+                     if v["name"] == "shm")["emptyDir"]["sizeLimit"]
+    assert int(env["VITSERVE_CACHE_BYTES"]) < int(shm_limit.removesuffix("Gi")) * 2**30  # the cache lives there
 
 
 def test_notes_render(chart: Any) -> None:

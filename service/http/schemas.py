@@ -95,8 +95,9 @@ class OutputOptions(_Strict):
     encoding_format: EncodingFormat = Field(
         "float", description="float: nested lists; base64: raw little-endian row-major bytes; "
                              "vllm: a chat content part with the embeddings, for a vLLM server started with "
-                             "--enable-mm-embeds; vllm_ref: a metadata-only content part whose tensor waits in "
-                             "--ec-shared-storage, for a vLLM encoder-cache consumer (docs/sidecar.md)")
+                             "--enable-mm-embeds; vllm_ref: a metadata-only content part whose tensor waits under its "
+                             "uuid (GET /v1/encoder_cache/{uuid}, or --ec-shared-storage), for a vLLM "
+                             "encoder-cache consumer (docs/sidecar.md)")
     dtype: OutDtype = Field("float32", description="dtype of the returned tensors")
     include_deepstack: bool = Field(False, description="also return Qwen3-VL's DeepStack features")
 
