@@ -64,7 +64,7 @@ class Family:
     # (an image is a clip of temporal_patch_size frames: bounds on T*H*W). Videos: qwen-vl-utils' rules,
     # Qwen3VLVideoProcessor's or Glm4vVideoProcessor's (service/media/video_sampling.py).
     image_sizing: Literal["qwen2", "glm4v"] = "qwen2"
-    video_sampling: Literal["qwen2", "qwen3", "glm4v"] = "qwen2"
+    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # transformers' image processor class whose output the server reproduces (the reference in tests)

@@ -119,6 +119,13 @@ PRESETS: dict[str, Preset] = {
         {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
         {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
     ),
+    "tiny-glm46v": Preset(
+        "glm46v",
+        dict(depth=2, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=14,
+             image_size=112),
+        {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
+        {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
+    ),
     "tiny-glm-ocr": Preset(
         "glm_ocr",
         dict(depth=2, hidden_size=64, intermediate_size=96, out_hidden_size=48, num_heads=4, patch_size=14,

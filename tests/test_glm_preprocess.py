@@ -12,6 +12,7 @@ import io
 import math
 import warnings
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +210,51 @@ def test_a_missing_video_config_falls_back_to_the_image_one_as_transformers_does
     assert (cfg.video.min_pixels, cfg.video.max_pixels) == (12544, 28 * 28 * 2 * 99)
     qwen2 = ProcessorConfig.from_folder(tmp_path, "qwen2_vl")  # qwen-vl-utils' own defaults stay
     assert qwen2.video.max_pixels == ProcessorConfig().video.max_pixels
+
+
+class _Glm46VDefaults:
+    temporal_patch_size = 2
+
+
+def glm46v_sample_frames():
+    """transformers' own `Glm46VVideoProcessor.sample_frames`, taken from its source: the module imports
+    torchvision, which CI lacks, and the method needs only numpy."""
+    import ast
+    import inspect
+
+    import transformers.models.glm46v as package
+
+    source = (Path(inspect.getfile(package)).parent / "video_processing_glm46v.py").read_text()
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Glm46VVideoProcessor")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "sample_frames")
+    method.args.args[1].annotation = None  # VideoMetadata: not imported here
+    scope: dict = {"np": np}
+    exec(compile(ast.Module(body=[method], type_ignores=[]), "video_processing_glm46v.py", "exec"), scope)
+    return scope["sample_frames"]
+
+
+@pytest.mark.parametrize("video_fps", [1.0, 10.0, 23.976, 25.0, 30.0, 60.0])
+def test_glm46v_sampling_matches_transformers(video_fps: float) -> None:
+    """GLM-4.6V picks its own rate from the clip's length (3, 1 or 0.5 frame pairs a second)."""
+    from transformers.video_utils import VideoMetadata
+
+    from service.media.video_sampling import glm46v_frame_indices
+
+    sample_frames = glm46v_sample_frames()
+
+    seconds = [0.1, 1, 2.5, 29.9, 30, 31, 299, 301, 1000, 2500]
+    for total in sorted({max(1, int(s * video_fps)) for s in seconds} | {1, 2, 3, 7}):
+        metadata = VideoMetadata(total_num_frames=total, fps=video_fps, duration=total / video_fps)
+        expect = sample_frames(_Glm46VDefaults(), metadata)
+        np.testing.assert_array_equal(glm46v_frame_indices(total, video_fps), expect, err_msg=f"{total} frames")
+
+
+def test_glm46v_plan_uses_its_rate_unless_asked_for_one() -> None:
+    from service.media.video_sampling import VideoOptions, glm46v_frame_indices, plan_sampling
+
+    cfg = ProcessorConfig.from_dicts("glm46v", {"size": {"shortest_edge": 12544, "longest_edge": 9633792}})
+    plan = plan_sampling(cfg, 600, 30.0)  # 20 s: 3 pairs a second
+    assert plan.indices.tolist() == glm46v_frame_indices(600, 30.0).tolist() and len(plan.indices) == 120
+    assert plan.requested_fps is None
+    fixed = plan_sampling(cfg, 600, 30.0, VideoOptions(fps=1.0))
+    assert fixed.indices.tolist() == glm_frame_indices(600, 30.0, fps=1.0).tolist() and fixed.requested_fps == 1.0

@@ -21,7 +21,7 @@ from models.presets import PRESETS, full_config
 from tests.checkpoints import CLASSES, write_checkpoint
 from tests.test_towers import random_pixels, rel_err, run_ours, swap_layout
 
-FAMILIES = ["tiny-glm4v", "tiny-glm4v-moe", "tiny-glm-ocr"]
+FAMILIES = ["tiny-glm4v", "tiny-glm4v-moe", "tiny-glm46v", "tiny-glm-ocr"]
 # Grids larger and smaller than the tiny presets' 8x8 position table, square and not.
 IMAGE_GRIDS = [(1, 8, 12), (1, 16, 8), (1, 2, 2), (1, 20, 36), (1, 4, 4), (1, 10, 6)]
 VIDEO_GRIDS = [(4, 8, 12), (1, 6, 6), (3, 10, 6)]

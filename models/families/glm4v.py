@@ -1,11 +1,12 @@
-"""GLM-4.1V (`glm4v`), GLM-4.5V (`glm4v_moe`, the same tower) and GLM-OCR (`glm_ocr`).
+"""GLM-4.1V (`glm4v`), GLM-4.5V (`glm4v_moe`) and GLM-4.6V (`glm46v`), one tower, and GLM-OCR (`glm_ocr`).
 
 Patches as in Qwen2.5-VL (with a bias) followed by an RMSNorm, a learned position table resampled
 bicubically to each frame (models/positions.py), RMSNorm blocks (eps 1e-5) with bias-free attention and
 a bias-free SwiGLU MLP as wide as the output, an RMSNorm after the blocks, a Conv2d merging each 2x2
 block into one token, and a gated merger. GLM-OCR has no position table nor the norm before it, biases
 everywhere, per-head q/k norms and an MLP of `intermediate_size`. Images are sized as clips of two
-frames, videos sampled as Glm4vVideoProcessor does (service/media/).
+frames, videos sampled as Glm4vVideoProcessor does (service/media/); GLM-4.6V's video processor picks its
+frame rate from the clip's length.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ GLM4V = register(Family(
 ))
 GLM4V_MOE = register(GLM4V.derive(
     model_type="glm4v_moe", title="GLM-4.5V", hf_class="Glm4vMoeForConditionalGeneration",
+))
+GLM46V = register(GLM4V.derive(
+    model_type="glm46v", title="GLM-4.6V", hf_class="Glm46VForConditionalGeneration",
+    image_processor="Glm46VImageProcessor", video_sampling="glm46v",
 ))
 GLM_OCR = register(GLM4V.derive(
     model_type="glm_ocr", title="GLM-OCR", dims=standard_dims, qkv_bias=True, proj_bias=True, mlp_bias=True,

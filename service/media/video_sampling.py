@@ -9,6 +9,7 @@ The rules follow the reference each model family ships with:
   that bounds T*H*W of the whole clip between size.shortest_edge and size.longest_edge).
 * GLM-4.1V, GLM-4.5V, GLM-OCR: transformers' `Glm4vVideoProcessor` (`sample_frames`: frames at fps
   up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
+* GLM-4.6V: `Glm46VVideoProcessor` (a frame rate chosen by the clip's length, at most 640 frames).
 
 `service.media.rules` says which of these a family follows.
 
@@ -274,6 +275,47 @@ def glm_frame_indices(
     return np.asarray(unique, dtype=np.int64)
 
 
+# GLM-4.6V: Glm46VVideoProcessor.sample_frames' constants
+GLM46V_RATES = ((30, 3.0), (300, 1.0), (2400, 0.5))  # (up to this many seconds, frames pairs per second)
+GLM46V_MAX_FRAMES = 640
+GLM46V_MAX_DURATION = 2400
+
+
+def glm46v_frame_indices(total_frames: int, video_fps: float, temporal_patch_size: int = 2) -> np.ndarray:
+    """Glm46VVideoProcessor.sample_frames: int64 indices, an even count.
+
+    The rate follows the clip's length (3 temporal patches a second up to 30 s, 1 up to 300 s, 0.5 beyond,
+    at most 2400 s counted), giving `extract_t` frames (at most 640): frames are taken each time the clip's
+    clock passes the next 1 / (temporal_patch_size * rate) seconds, up to the last whole second; too few or
+    too many are replaced by `extract_t` evenly spaced indices. Repeats are dropped; an odd count is padded.
+    """
+    last = total_frames - 1
+    duration = total_frames / video_fps
+    effective = min(duration, GLM46V_MAX_DURATION)
+    rate = next(r for limit, r in GLM46V_RATES if effective <= limit or limit == GLM46V_RATES[-1][0])
+    extract = min(int(effective * rate * temporal_patch_size), GLM46V_MAX_FRAMES)
+    if total_frames < extract:
+        picked = np.linspace(0, last, extract, dtype=int).tolist()
+    else:
+        picked, current, step, max_second = [], 0.0, 1 / (temporal_patch_size * rate), int(duration)
+        per_frame = 1 / video_fps
+        for index in range(total_frames):
+            if index * per_frame >= current:
+                current += step
+                picked.append(index)
+                if current >= max_second:
+                    break
+    if len(picked) < extract:
+        start, end = (picked[0], picked[-1]) if picked else (0, max(last, 0))
+        picked = np.linspace(start, end, extract, dtype=int).tolist()
+    elif len(picked) > extract:
+        picked = np.linspace(0, last, extract, dtype=int).tolist()
+    unique = list(dict.fromkeys(picked))
+    if len(unique) % 2:
+        unique.append(unique[-1])
+    return np.asarray(unique, dtype=np.int64)
+
+
 # -- planning -------------------------------------------------------------------------------------
 
 
@@ -321,6 +363,7 @@ def plan_sampling(
     lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
     factor = cfg.factor
     rules = video_sampling(cfg)
+    dynamic = False  # the family's processor chose the rate itself (GLM-4.6V): no requested fps to report
     if rules == "qwen2":
         n = qwen2_nframes(
             count,
@@ -389,11 +432,15 @@ def plan_sampling(
                 n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi
             )
 
-    elif rules == "glm4v":
+    elif rules in ("glm4v", "glm46v"):
         # GLM's processor has no frame bounds: min_frames does not apply, max_frames (per request) spreads
         # that many frames over the clip when the fps rule would take more.
-        indices = glm_frame_indices(count, video_fps, fps=want_fps, nframes=nframes)
-        if nframes is None:
+        dynamic = rules == "glm46v" and nframes is None and fps is None
+        if dynamic:  # GLM-4.6V's processor picks the rate from the clip's length; a request's fps fixes it
+            indices = glm46v_frame_indices(count, video_fps, cfg.temporal_patch_size)
+        else:
+            indices = glm_frame_indices(count, video_fps, fps=want_fps, nframes=nframes)
+        if nframes is None and not dynamic:
             if max_frames is not None and len(np.unique(indices)) > max_frames:
                 indices, adjusted = glm_frame_indices(count, video_fps, nframes=max_frames), "max_frames"
             elif count / video_fps > GLM_MAX_DURATION:
@@ -419,7 +466,7 @@ def plan_sampling(
         indices=indices,
         sample_fps=sample_fps,
         size=size,
-        requested_fps=None if nframes is not None else float(want_fps),
+        requested_fps=None if nframes is not None or dynamic else float(want_fps),
         fps_adjusted_by=adjusted,
     )
 
