@@ -18,6 +18,7 @@ from service.engine.types import EngineFailure, ItemError, ItemResult, MediaItem
 from service.media.image_preprocess import preprocess_image_bytes
 from service.workers.jobs import load_rows
 from tests.http_helpers import image_bytes, settings, shm_entries
+from tests.videos import make_video
 
 SIZES = [(64, 64), (200, 150), (90, 300), (56, 56), (400, 120), (150, 150)]
 
@@ -277,6 +278,15 @@ def test_preprocessing_errors_name_the_item(tower):
                      "invalid_option", 0)
         await expect([MediaItem(0, "image", good[0].data, {"fps": 2.0})], "invalid_option", 0)
         await expect([good[0], MediaItem(1, "video", b"\x00" * 64)], "unsupported_format", 1)
+        # One bound sent past the processor's other one: taken as transformers takes it, not refused.
+        below_min = cfg.min_pixels - 136
+        (small,) = await engine.encode([MediaItem(0, "image", good[0].data, {"max_pixels": below_min})])
+        want = preprocess_image_bytes(good[0].data, cfg, max_pixels=below_min).grid_thw
+        assert small.grid_thw == want and want[1] * want[2] * cfg.patch_size**2 <= below_min
+        clip = make_video(8, width=64, height=48)
+        (video,) = await engine.encode([MediaItem(0, "video", clip, {"max_pixels": cfg.video.min_pixels // 4})])
+        assert video.modality == "video"
+        engine.release([small, video])
 
     run(tower, body)
 

@@ -161,6 +161,7 @@ def test_parity_pil_modes_direct(name: str, mode: str) -> None:
         {"min_pixels": 28 * 28 * 4},
         {"max_pixels": 32 * 32 * 16},
         {"min_pixels": 200_000, "max_pixels": 400_000},  # min above the config's max
+        {"max_pixels": 3000},  # max below the config's min (3136): both go to smart_resize, as sent
         {"min_pixels": 1, "max_pixels": 1},  # everything collapses to one merged token
         {"min_pixels": 1, "max_pixels": 10_000_000},
     ],

@@ -456,10 +456,12 @@ class Engine:
             if name in opts and opts[name] > cap:
                 raise ItemError(item.index, f"{name} {opts[name]} is above this server's limit of {cap}",
                                 "invalid_option")
-        lo = opts.get("min_pixels", cfg.min_pixels if item.modality == "image" else cfg.video.min_pixels)
-        hi = opts.get("max_pixels", cfg.max_pixels if item.modality == "image" else cfg.video.max_pixels)
-        if lo > hi:
-            raise ItemError(item.index, f"min_pixels {lo} is above max_pixels {hi}", "invalid_option")
+        # Bounds that contradict each other are refused only when the client sent both. One sent bound
+        # past the processor's other one is taken as transformers' processors take it: both go to
+        # smart_resize, where max_pixels shrinks a large image and min_pixels grows a small one.
+        if opts.get("min_pixels", 0) > opts.get("max_pixels", float("inf")):
+            raise ItemError(item.index, f"min_pixels {opts['min_pixels']} is above max_pixels {opts['max_pixels']}",
+                            "invalid_option")
         return opts
 
     def release(self, results: Sequence[ItemResult]) -> None:

@@ -388,10 +388,8 @@ def plan_sampling(
             total_pixels=vcfg.total_pixels if total_pixels is None else total_pixels,
             max_pixels=max_pixels,
         )
-        if hi < lo:
-            raise MediaError(
-                reason=f"max_pixels {hi:g} per frame is below min_pixels {lo}", code=INVALID_OPTION
-            )
+        # A requested max_pixels below the default min_pixels: qwen-vl-utils hands both to smart_resize
+        # (large frames shrink to the max, small ones grow to the min), and so does this.
 
         def size(height: int, width: int) -> tuple[int, int]:
             return smart_resize(height, width, factor, lo, hi)  # type: ignore[arg-type]
