@@ -24,7 +24,7 @@ from tests.checkpoints import write_checkpoint
 from tests.http_helpers import ServerThread, b64, image_bytes, settings, shm_entries
 from tests.videos import make_video
 
-FAMILIES = ["tiny-qwen2-vl", "tiny-qwen3-vl"]
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-glm4v"]
 IMAGES = [(200, 150, "PNG"), (96, 320, "JPEG"), (448, 448, "WEBP")]
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
