@@ -205,12 +205,13 @@ def _progress(total: int):
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
-    from service.bench.towers import DEFAULT_MODELS
+    from service.bench.towers import DEFAULT_MODELS, FAMILY_MODELS
 
     p = sub.add_parser("bench", help="engine vs transformers side by side on one GPU",
                        description="Graphs on, graphs off and transformers eager on the same inputs, "
                                    "with the floor and MFU; writes bench.json and bench.png.")
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma list of presets")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma list of presets; also {', '.join(FAMILY_MODELS)}")
     p.add_argument("--workloads", default="", help="comma list (default: all)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--out", type=Path, default=Path("bench-out"))

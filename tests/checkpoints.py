@@ -15,13 +15,9 @@ CLASSES = {name: family.hf_class for name, family in FAMILIES.items()}
 
 def visual_of(model):
     """transformers' vision model inside a whole model (the Omni models keep it in their thinker)."""
-    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual"):
-        found = model
-        for name in path.split("."):
-            found = getattr(found, name, None)
-        if found is not None:
-            return found
-    raise AttributeError(f"no vision model in {type(model).__name__}")
+    from service.bench.towers import vision_module
+
+    return vision_module(model)
 
 
 def reference_model(preset_name: str, seed: int = 0):
@@ -64,7 +60,11 @@ def write_checkpoint(preset_name: str, folder: Path, seed: int = 0, max_shard_si
 
 # ---- what vLLM needs to parse and process requests for a tiny preset ---------------------------------
 VLLM_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                       "<|image_pad|>", "<|video_pad|>"]
+                       "<|image_pad|>", "<|video_pad|>", "<vision>", "</vision>", "<|VISION_START|>",
+                       "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"]
+# (vision start, vision end, image pad, video pad) in each family's prompts, where not Qwen's
+VLLM_MEDIA_TOKENS = {"exaone4_5": ("<vision>", "</vision>", "<|image_pad|>", "<|video_pad|>"),
+                     "cohere_compass": ("<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>")}
 # The Qwen-VL chat layout reduced to what placeholders need: media parts become vision_start, one pad
 # token, vision_end; vLLM's processor expands the pad to the item's tokens.
 VLLM_CHAT_TEMPLATE = (
@@ -95,31 +95,48 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VLLM_SPECIAL_TOKENS])
     tok.save(str(folder / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in VLLM_SPECIAL_TOKENS}
+    start, end, image_pad, video_pad = VLLM_MEDIA_TOKENS.get(
+        preset.family, ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
+    template = (VLLM_CHAT_TEMPLATE.replace("<|vision_start|>", start).replace("<|vision_end|>", end)
+                .replace("<|image_pad|>", image_pad).replace("<|video_pad|>", video_pad))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "model_max_length": 8192, "chat_template": VLLM_CHAT_TEMPLATE}))
+        "model_max_length": 8192, "chat_template": template}))
 
     out_hidden = preset.vision.get("out_hidden_size", preset.vision.get("hidden_size"))
     text: dict = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192,
                       bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-    head_dim = 16 if preset.family == "qwen3_vl" else out_hidden // text["num_attention_heads"]
+    qwen3 = preset.family.startswith("qwen3") or preset.family == "cohere_compass"
+    head_dim = 16 if qwen3 else out_hidden // text["num_attention_heads"]
     half = head_dim // 2  # vLLM's M-RoPE wants the sections to cover half the head
     rope: dict = {"rope_type": "default", "rope_theta": 10000.0,
                   "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
-    if preset.family == "qwen3_vl":
+    if qwen3:
         text["head_dim"] = head_dim
         rope["mrope_interleaved"] = True
+    if preset.family.endswith("moe"):
+        text.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if preset.family.startswith("qwen3_5"):
+        text["layer_types"] = ["full_attention"]
     text["rope_parameters"] = rope
+    if preset.family == "exaone4_5":  # EXAONE 4's text model: plain rotary, no M-RoPE
+        text.update(model_type="exaone4", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if preset.family == "cohere_compass":  # rotary parameters per layer type
+        text.update(layer_types=["full_attention"], rope_parameters={"full_attention": rope})
     cfg = AutoConfig.for_model(
         preset.family, vision_config=preset.vision, text_config=text,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids[image_pad], video_token_id=ids[video_pad],
+        vision_start_token_id=ids[start], vision_end_token_id=ids[end],
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
     )
+    if preset.family == "cohere_compass":
+        cfg.tie_word_embeddings = True  # as released; vLLM's model asserts it
     cfg.architectures = [CLASSES[preset.family]]
     cfg.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor))
+    # the processor classes named as the releases name them (not every model_type is in the auto maps)
+    image = {"image_processor_type": FAMILIES[preset.family].image_processor, **preset.preprocessor}
+    (folder / "preprocessor_config.json").write_text(json.dumps(image))
     if preset.video_preprocessor:
         (folder / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
     return folder

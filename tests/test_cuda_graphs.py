@@ -17,7 +17,11 @@ from models import VisualInput, load_tower
 from service.bench.towers import hf_grid_thw, hf_outputs, hf_visual
 
 pytestmark = pytest.mark.cuda
-FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
+# Every family at its released size (Qwen3-VL-MoE and Qwen3-Omni share Qwen3-VL-30B-A3B's tower shape,
+# Qwen3.5-MoE Qwen3.5's: one of each pair is enough for the kernels, both for the wiring).
+FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b",
+        "random:qwen3-vl-30b-a3b", "random:qwen3.5-27b", "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b",
+        "random:exaone-4.5-33b"]
 DEV = torch.device("cuda")
 
 

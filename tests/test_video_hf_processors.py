@@ -24,6 +24,7 @@ pytest.importorskip(
     reason="transformers' video processors need torchvision: these run on the GPU machine, where it exists",
 )
 
+from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import av  # noqa: E402
@@ -36,12 +37,16 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 
 from models.config import ProcessorConfig, VisualInput  # noqa: E402
 from models.layers import Normalize  # noqa: E402
+from service.media.rules import video_sampling  # noqa: E402
 from service.media.video_preprocess import preprocess_video_bytes  # noqa: E402
 from tests.videos import QWEN2, QWEN3, QWEN25, decode_all, make_video  # noqa: E402
 
 av.logging.set_level(av.logging.ERROR)
 
-CONFIGS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3}
+CONFIGS = {"qwen2_vl": QWEN2, "qwen2_5_vl": QWEN25, "qwen3_vl": QWEN3,
+           # families that sample like these: the same configs under their own model_type
+           "qwen3_5": replace(QWEN3, family="qwen3_5"), "exaone4_5": replace(QWEN2, family="exaone4_5"),
+           "qwen3_omni_moe": replace(QWEN3, family="qwen3_omni_moe")}
 
 # Resize bounds, in 0..255 levels. docs/video.md measured PIL against torch's float antialiased bicubic
 # at mean 0.13, max 9 on a real 1280x720 clip with sharp edges; these clips are smooth. Measured here on
@@ -98,7 +103,7 @@ def run_processor(
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """transformers' video processor of cfg.family on one uint8 [T, C, H, W] video, no frame sampling,
     with our config's normalisation and patch sizes: (pixel_values_videos, video_grid_thw)."""
-    cls: Any = Qwen3VLVideoProcessor if cfg.family == "qwen3_vl" else Qwen2VLVideoProcessor
+    cls: Any = Qwen3VLVideoProcessor if video_sampling(cfg) == "qwen3" else Qwen2VLVideoProcessor
     processor = cls()
     result = processor(
         [video],
@@ -127,7 +132,7 @@ def run_processor(
 def hf_target_size(cfg: ProcessorConfig, frames: int, height: int, width: int, size: dict[str, int]) -> tuple[int, int]:
     """The size the processor's own smart_resize picks for these frames and bounds."""
     lo, hi = size["shortest_edge"], size["longest_edge"]
-    if cfg.family == "qwen3_vl":
+    if video_sampling(cfg) == "qwen3":
         tps = cfg.temporal_patch_size
         return hf_qwen3_smart_resize(
             frames, height, width, temporal_factor=tps, factor=cfg.factor, min_pixels=lo, max_pixels=hi
@@ -148,8 +153,12 @@ def hf_target_size(cfg: ProcessorConfig, frames: int, height: int, width: int, s
         ("qwen3_vl", 64, 96, {}, {"shortest_edge": 4096, "longest_edge": 4194304}),
         # An odd frame count: both pad by repeating the last frame.
         ("qwen3_vl", 64, 96, {"nframes": 5}, {"shortest_edge": 4096, "longest_edge": 4194304}),
+        # Families sampling by these rules (Qwen3-Omni: patch 16, but Qwen2-VL's video processor).
+        ("qwen3_5", 64, 96, {}, {"shortest_edge": 4096, "longest_edge": 4194304}),
+        ("exaone4_5", 56, 84, {"min_pixels": 3136}, {"shortest_edge": 3136, "longest_edge": 602112}),
+        ("qwen3_omni_moe", 64, 96, {"min_pixels": 4096}, {"shortest_edge": 4096, "longest_edge": 602112}),
     ],
-    ids=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl-odd"],
+    ids=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl-odd", "qwen3_5", "exaone4_5", "qwen3_omni_moe"],
 )
 def test_pixels_equal_processor_without_resize(
     family: str, height: int, width: int, options: dict[str, Any], size: dict[str, int]
@@ -172,6 +181,19 @@ def test_pixels_equal_processor_without_resize(
         diff = float(np.abs(pixels.astype(np.float64) - ours).max())
         print(f"\n{family} {height}x{width} T={n} do_resize={do_resize}: max |diff| {diff:.3g} (normalised)")
         assert diff <= 1e-5
+
+
+def test_each_family_names_transformers_own_video_processor() -> None:
+    """transformers' own mapping (complete where torchvision exists) against the families' rules."""
+    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+    from models.families import FAMILIES
+
+    rules = {"Qwen2VLVideoProcessor": "qwen2", "Qwen3VLVideoProcessor": "qwen3", "Glm4vVideoProcessor": "glm4v"}
+    for name, family in FAMILIES.items():
+        mapped = (VIDEO_PROCESSOR_MAPPING_NAMES.get(name) or {}).get("torchvision")
+        if mapped in rules and family.video:
+            assert rules[mapped] == family.video_sampling, (name, mapped)
 
 
 # -- resize: bounded difference -----------------------------------------------------------------------

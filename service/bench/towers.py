@@ -25,6 +25,9 @@ from models.presets import PRESETS, full_config
 
 log = logging.getLogger("vitserve.bench")
 DEFAULT_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
+# The other families' presets (`--models` takes any `random:` preset of models/presets.py).
+FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b", "random:qwen2.5-omni-7b",
+                 "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]
 
 
 def workloads(patch: int, seed: int = 0) -> dict[str, list[tuple[int, int, int]]]:
@@ -102,11 +105,12 @@ def hf_grid_thw(tower, grids) -> list[tuple[int, int, int]]:
 
 
 def forward_flops(d: dict, grids) -> float:
-    """Matrix-product FLOPs of one forward (attention per frame, windows for Qwen2.5-VL)."""
+    """Matrix-product FLOPs of one forward (attention per frame, or per window in window layers)."""
     n = sum(t * h * w for t, h, w in grids)
     h, inter = d["hidden"], d["inter"]
     mlp = (3 if d["gated"] else 2) * 2 * h * inter
-    f = n * 2 * d["cin"] * h + d["depth"] * n * (2 * 4 * h * h + mlp)
+    kv = h * d["kv_heads"] // d["heads"]  # key/value width: below h with grouped heads
+    f = n * 2 * d["cin"] * h + d["depth"] * n * (2 * (2 * h * h + 2 * h * kv) + mlp)
     for layer in range(d["depth"]):
         for t, gh, gw in grids:
             if layer in d["full"]:
@@ -125,10 +129,11 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
     from models.attention import packed_attention
 
     n = sum(t * h * w for t, h, w in grids)
-    h, heads = d["hidden"], d["heads"]
+    h, heads, kv_heads = d["hidden"], d["heads"], d["kv_heads"]
+    kv = h * kv_heads // heads
     dt, dev = torch.bfloat16, "cuda"
     w = lambda a, b: torch.randn(a, b, device=dev, dtype=dt) * 0.02  # noqa: E731
-    w_embed, w_qkv, w_o = w(d["cin"], h), w(h, 3 * h), w(h, h)
+    w_embed, w_qkv, w_o = w(d["cin"], h), w(h, h + 2 * kv), w(h, h)
     w_up, w_down = w(h, (2 if d["gated"] else 1) * d["inter"]), w(d["inter"], h)
     w_merger = [[w(a, b) for a, b in chain] for chain in d["merger"]]
     cap = tower.required_capacity(grids)
@@ -140,7 +145,10 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
     def forward():
         x = x0 @ w_embed
         for layer in range(d["depth"]):
-            q, k, v = (x @ w_qkv).view(n, 3, heads, -1).unbind(1)
+            rows = (x @ w_qkv).view(n, heads + 2 * kv_heads, -1)
+            q, k, v = rows[:, :heads], rows[:, heads : heads + kv_heads], rows[:, heads + kv_heads :]
+            if kv_heads != heads:  # grouped heads, expanded as the tower does
+                k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
             full = layer in d["full"]
             a = packed_attention(attention, q, k, v, cu if full else cu_w,
                                  cap.max_seqlen if full else cap.max_window_seqlen)
@@ -168,22 +176,34 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
 
 
 def hf_visual(tower):
+    """transformers' vision model of the tower's preset, carrying the tower's weights."""
     import transformers
 
     preset = PRESETS[tower.name]
     cfg = full_config(preset)
-    cfg.vision_config._attn_implementation = "sdpa"
+    tower.spec.vision_config(cfg)._attn_implementation = "sdpa"
     dev = next(tower.parameters()).device
     dtype = next(tower.parameters()).dtype
     with torch.device("meta"):
         model = getattr(transformers, tower.spec.hf_class)._from_config(cfg, dtype=dtype)
-    visual = model.model.visual.to_empty(device=dev)
+    visual = vision_module(model).to_empty(device=dev)
     visual.load_state_dict(tower.state_dict(), strict=False)
     for m in visual.modules():  # non-persistent rotary buffers were left empty by to_empty
         if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
             n = m.inv_freq.numel()
             m.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.float, device=dev) / (2 * n)))
     return visual.eval()
+
+
+def vision_module(model) -> torch.nn.Module:
+    """The vision model inside a transformers model (the Omni models keep it in their thinker)."""
+    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual"):
+        found = model
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if found is not None:
+            return found
+    raise AttributeError(f"no vision model in {type(model).__name__}")
 
 
 def hf_outputs(out) -> tuple[torch.Tensor, list[torch.Tensor]]:
