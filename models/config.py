@@ -32,6 +32,7 @@ class VideoConfig:
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)  # qwen-vl-utils 0.0.14 default (VIDEO_TOTAL_PIXELS)
+    processor_class: str = ""  # the checkpoint's `video_processor_type`, where it names one
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class ProcessorConfig:
                 min_pixels=int(video.get("min_pixels") or vsize.get("shortest_edge") or video_cfg.min_pixels),
                 max_pixels=int(video.get("max_pixels") or vsize.get("longest_edge") or video_cfg.max_pixels),
                 total_pixels=int(video.get("total_pixels", video_cfg.total_pixels)),
+                processor_class=str(video.get("video_processor_type") or ""),
             )
         return cls(
             family=family,

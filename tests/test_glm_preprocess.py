@@ -258,3 +258,15 @@ def test_glm46v_plan_uses_its_rate_unless_asked_for_one() -> None:
     assert plan.requested_fps is None
     fixed = plan_sampling(cfg, 600, 30.0, VideoOptions(fps=1.0))
     assert fixed.indices.tolist() == glm_frame_indices(600, 30.0, fps=1.0).tolist() and fixed.requested_fps == 1.0
+
+
+def test_the_checkpoints_video_processor_class_picks_the_glm_rule() -> None:
+    from service.media.rules import video_sampling
+
+    image = {"size": {"shortest_edge": 12544, "longest_edge": 9633792}}
+    for family in ("glm4v", "glm4v_moe", "glm46v"):
+        for named, rule in [("Glm46VVideoProcessor", "glm46v"), ("Glm4vVideoProcessor", "glm4v")]:
+            cfg = ProcessorConfig.from_dicts(family, image, {"video_processor_type": named, "fps": 2})
+            assert video_sampling(cfg) == rule
+    assert video_sampling(ProcessorConfig.from_dicts("glm46v", image)) == "glm46v"
+    assert video_sampling(ProcessorConfig.from_dicts("glm4v", image)) == "glm4v"

@@ -34,7 +34,16 @@ def takes_video(cfg: ProcessorConfig) -> bool:
     return family.video if family else True
 
 
+# GLM checkpoints of one model_type ship either of GLM's video processors (GLM-4.6V's samples by the clip's
+# length): the class the checkpoint names decides, as it does in transformers.
+GLM_VIDEO_PROCESSORS = {"Glm4vVideoProcessor": "glm4v", "Glm46VVideoProcessor": "glm46v"}
+
+
 def video_sampling(cfg: ProcessorConfig) -> str:
     """The family's video rules; a model_type no family claims is returned as is (and refused)."""
     family = _family(cfg)
-    return family.video_sampling if family else cfg.family
+    if family is None:
+        return cfg.family
+    if family.video_sampling in GLM_VIDEO_PROCESSORS.values():
+        return GLM_VIDEO_PROCESSORS.get(cfg.video.processor_class, family.video_sampling)
+    return family.video_sampling
