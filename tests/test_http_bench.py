@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import socket
+import struct
 import time
 
 import pytest
 
 from service.bench import http as http_bench
-from service.bench.http_client import BenchError, run_level, steady_rate
+from service.bench.http_client import DROPPED, BenchError, run_level, steady_rate
 from service.bench.http_server import LOOP_STALL_KEY, check_loopback, stage_means
 from service.cli import main
 from tests.http_helpers import QuietHandler, free_port, loopback_http_server, server_url
 
-LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "elapsed_s", "images_per_s", "p50_ms", "p90_ms", "p99_ms",
+LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "dropped_connections", "elapsed_s", "images_per_s",
+                "p50_ms", "p90_ms", "p99_ms",
                 "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_engine",
                 "steady_images_per_s", "in_flight_mean", "start_late_s"}
 ENGINE_FIELDS = {"device", "dtype", "graphs", "tokens_per_image", "single_ms", "single_preprocess_ms",
@@ -98,7 +101,8 @@ def test_http_bench_on_cpu(tmp_path, capsys):
 
 
 class FakeEncode(QuietHandler):
-    """/encode that answers 500 for bodies saying "bad" and takes 20 ms for bodies saying "slow"."""
+    """/encode that answers 500 for bodies saying "bad", takes 20 ms for bodies saying "slow", closes the
+    connection without an answer for "drop" and resets it for "reset"."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn
 
@@ -106,6 +110,11 @@ class FakeEncode(QuietHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         if b"slow" in body:
             time.sleep(0.02)
+        if b"drop" in body or b"reset" in body:
+            if b"reset" in body:
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
         self.reply(*((500, b"{}") if b"bad" in body else (200, b'{"data": []}')))
 
 
@@ -128,6 +137,19 @@ def test_run_level_bounds_and_errors(fake_url, client):
     assert level["elapsed_s"] < 2 and level["p50_ms"] >= 20
     gone = run_level(f"http://127.0.0.1:{free_port()}", [b"x"], 1, 2, 5, client=client)
     assert gone["ok"] == 0 and sum(gone["errors"].values()) == 2  # connection failures are counted, not raised
+
+
+@pytest.mark.parametrize("client", ["http.client", "httpx"])
+def test_a_dropped_connection_is_an_error_counted_apart(fake_url, client):
+    """A connection closed or reset without an answer (httpx ReadError, RemoteProtocolError; http.client
+    RemoteDisconnected, ConnectionResetError) fails its request and is counted as dropped; the client
+    reconnects for the next one."""
+    level = run_level(fake_url, [b"good", b"drop", b"good", b"reset"], 1, 12, 60, client=client)
+    assert level["ok"] == 6 and sum(level["errors"].values()) == 6, level["errors"]
+    assert level["dropped_connections"] == 6, level["errors"]
+    assert set(level["errors"]) <= DROPPED
+    clean = run_level(fake_url, [b"good", b"bad"], 1, 4, 60, client=client)
+    assert clean["dropped_connections"] == 0 and clean["errors"] == {"500": 2}
 
 
 @pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://192.168.0.1", "http://[2001:db8::1]:8000",

@@ -192,7 +192,8 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             steady = f" ({level['steady_images_per_s']} steady)" if level["steady_images_per_s"] is not None else ""
             log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s{steady}  "
                 f"p50 {_ms(level['p50_ms'])} ms  p90 {_ms(level['p90_ms'])} "
-                f"ms  p99 {_ms(level['p99_ms'])} ms  errors {sum(level['errors'].values())} ({level['stopped_by']}); "
+                f"ms  p99 {_ms(level['p99_ms'])} ms  errors {sum(level['errors'].values())} "
+                f"(dropped connections {level['dropped_connections']}; {level['stopped_by']}); "
                 f"in flight {level['in_flight_mean']} (clients late {level['start_late_s']} s); "
                 f"server means {level['server_ms']}")
         out = {"format": fmt, "cache": cache, "workload": workload, "levels": levels,
@@ -273,10 +274,12 @@ def print_summary(result: dict[str, Any]) -> None:
     """The levels as a table, then the ratios against the engine alone; a figure that was not measured
     (no success in a level, a level stopped by its count) is left out, not printed as None."""
     e, t = result["engine"], result["targets"]
-    print(f"{'concurrency':>11} {'images/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'errors':>7}")
+    print(f"{'concurrency':>11} {'images/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'errors':>7} "
+          f"{'dropped':>7}")
     for lv in result["levels"]:
         print(f"{lv['concurrency']:>11} {lv['images_per_s']:>10.1f} {_ms(lv['p50_ms']):>9} "
-              f"{_ms(lv['p90_ms']):>9} {_ms(lv['p99_ms']):>9} {sum(lv['errors'].values()):>7}")
+              f"{_ms(lv['p90_ms']):>9} {_ms(lv['p99_ms']):>9} {sum(lv['errors'].values()):>7} "
+              f"{lv.get('dropped_connections', 0):>7}")
     print(f"engine only: {e['images_per_s']:.1f} images/s (batch of {e['batch_images']}), {e['single_ms']:.2f} ms "
           "for one image (preprocessing included)")
     judged = t["throughput_ratio_met"] is not None

@@ -99,6 +99,18 @@ class Poster:
             self.conn.close()
 
 
+# Names of the exceptions that mean the connection ended without a whole response to a request sent
+# on it: the server dropped it (or reset it), whatever the client library. A refused connection is not
+# one (nothing was sent); a timeout is not either (the client gave up).
+DROPPED = frozenset({"ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "RemoteDisconnected",
+                     "IncompleteRead", "BadStatusLine", "ReadError", "WriteError", "RemoteProtocolError"})
+
+
+def dropped(errors: dict[str, int]) -> int:
+    """How many of the errors (by exception name or status) are dropped connections (`DROPPED`)."""
+    return sum(n for name, n in errors.items() if name in DROPPED)
+
+
 def client_name(client: str) -> str:
     if client == "httpx":
         import httpx
@@ -120,7 +132,9 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
               api_key: str | None = None, timeout_s: float = 120, client: str = "http.client",
               processes: int = 1) -> dict[str, Any]:
     """C threads, each on its own connection, send requests back to back until `max_requests` have been
-    sent or `time_limit_s` has passed; requests in flight then finish. Throughput is successes over the
+    sent or `time_limit_s` has passed; requests in flight then finish. `errors` counts failures by HTTP
+    status or exception name; `dropped_connections` is the part of them whose connection ended without a
+    response (`DROPPED`), a server fault even where the client's retry would hide it. Throughput is successes over the
     wall time from the common start to the last answer; that wall time includes the start, when every
     client waits for its first answer at once, and the end, when fewer requests are in flight, so
     `steady_images_per_s` also counts only the successes from a quarter of the time limit on to its end
@@ -150,6 +164,7 @@ def run_level(base_url: str, bodies: Sequence[bytes], concurrency: int, max_requ
     steady = steady_rate([t for p in parts for t in p["ends"]], start_at + time_limit_s / 4,
                          start_at + time_limit_s) if stopped_by == "time" else None
     return {"concurrency": concurrency, "requests": issued, "ok": len(latencies), "errors": dict(errors),
+            "dropped_connections": dropped(errors),
             "elapsed_s": round(wall, 4), "images_per_s": round(len(latencies) / wall, 3) if wall > 0 else 0.0,
             "steady_images_per_s": steady, **percentiles_ms(latencies), "stopped_by": stopped_by,
             "client_cpu_util": round(cpu / wall / len(parts), 3) if wall > 0 else None,
