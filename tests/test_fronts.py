@@ -18,7 +18,9 @@ from service.preflight import EXIT_FAILED
 from service.settings import ServeSettings, SettingsError
 from tests.http_helpers import SubprocessServer, b64, image_bytes
 
-FLAGS = ("--data-parallel", "2", "--fronts", "2", "--preprocess-workers", "2")
+# The cache on (each front keeps its share): vllm_ref answers from it, and each front's engine still encodes
+# the traffic test's image once.
+FLAGS = ("--data-parallel", "2", "--fronts", "2", "--preprocess-workers", "2", "--cache-bytes", str(64 << 20))
 BODY = {"items": [{"type": "image", "image": b64(image_bytes(96, 64, seed=3))}], "encoding_format": "base64"}
 
 
@@ -59,6 +61,32 @@ def test_metrics_cover_every_front_and_scope_front_one(server):
     info = httpx.get(server.url + "/info").json()
     assert info["front"]["of"] == 2 and info["front"]["index"] in (0, 1)
     assert info["settings"]["preprocess_workers"] == 1  # each front has its share
+
+
+def test_an_output_answered_by_one_front_is_served_and_checked_by_any(server):
+    """vllm_ref without a folder: each front holds its own outputs; a fetch or a check that reaches the
+    other front is answered through its sibling."""
+    ids = []
+    for k in range(6):
+        with httpx.Client(timeout=60) as c:  # a connection each: either front may take it
+            body = {"items": [{"type": "image", "image": b64(image_bytes(80, 64, seed=40 + k))}],
+                    "encoding_format": "vllm_ref"}
+            ids.append(c.post(server.url + "/encode", json=body).json()["data"][0]["content_part"]["uuid"])
+    statuses = []
+    for item_id in ids:
+        for _ in range(3):
+            with httpx.Client(timeout=60) as c:
+                r = c.get(f"{server.url}/v1/encoder_cache/{item_id}")
+                statuses.append(r.status_code)
+                assert r.headers["content-type"] == "application/vnd.safetensors"
+    assert statuses == [200] * 18
+    for _ in range(4):
+        with httpx.Client(timeout=60) as c:
+            r = c.post(server.url + "/v1/encoder_cache/check", json={"ids": [*ids, "vit-" + "0" * 64]})
+            assert r.json()["present"] == [True] * 6 + [False]
+    fetched = samples(httpx.get(server.url + "/metrics").text, "vitserve_encoder_cache_fetches_total")
+    assert sum(v for labels, v in fetched if labels["result"] == "hit") == 18  # counted once, by the front asked
+    assert sum(v for labels, v in fetched if labels["result"] == "miss") == 0
 
 
 def test_sigterm_drains_every_front_and_exits_zero(server):
