@@ -3,8 +3,9 @@ it loads the model, takes batch jobs (`submit`) and reports each job's outcome o
 
 - `ProcessBackend`: an engine process (the GPU, one per device; `--data-parallel N` starts N). Its
   process has its own interpreter, so nothing it does waits for the HTTP side's GIL, and its death
-  fails only its own batches. Jobs and replies are small messages on a pipe; pixels and embeddings
-  travel in shared memory (`service.shm`).
+  fails only its own batches. Jobs and replies are small messages on a pipe (the front's end a
+  `service.channel.Channel`: a message of any size goes whole); pixels and embeddings travel in shared
+  memory (`service.shm`).
 - `LocalBackend`: the same job loop in a thread of the server (the CPU, and tests).
 
 Both run `executor.serve_jobs`, so a job behaves the same wherever it runs. Engine processes are
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, Protocol
 
+from service.channel import Channel
 from service.engine.executor import BatchExecutor, serve_jobs
 from service.engine.loading import bind_device, build_runner
 from service.engine.types import BatchJob, ModelInfo
@@ -128,6 +130,7 @@ class ProcessBackend:
         self.error: str | None = None
         self._process: Any = None
         self._conn: Connection | None = None
+        self._channel: Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
@@ -163,41 +166,38 @@ class ProcessBackend:
     def attach(self, loop: asyncio.AbstractEventLoop, on_reply: OnReply, on_exit: OnExit) -> None:
         assert self._conn is not None
         self._loop = loop
-        conn, process = self._conn, self._process
+        process = self._process
 
-        def readable() -> None:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                loop.remove_reader(conn.fileno())
-                return  # the process exited: `exited` follows
-            on_reply(self, message)
+        def closed(reason: str) -> None:
+            # Its exit closes the pipe, and `exited` follows; an engine still alive a second later has a
+            # broken channel and can serve nobody: it is killed, and its exit handled as any other.
+            def check() -> None:
+                if process.is_alive() and not self._stopping:
+                    log.error("engine %d: its channel failed (%s): killing it", self.index, reason)
+                    process.kill()
+
+            loop.call_later(1.0, check)
+
+        channel = Channel(self._conn, loop, lambda message: on_reply(self, message), closed)
+        self._channel = channel
 
         def exited() -> None:
             loop.remove_reader(process.sentinel)
-            if not conn.closed:
-                try:
-                    loop.remove_reader(conn.fileno())
-                except (OSError, ValueError):
-                    pass
-            while conn.poll():  # replies sent just before the exit still count
-                try:
-                    on_reply(self, conn.recv())
-                except (EOFError, OSError):
-                    break
+            if not channel.closed:
+                channel.read_now()  # replies sent just before the exit still count
+                channel.close()
             process.join(5)
             self.exitcode = process.exitcode
             self.state = "stopped" if self._stopping else "down"
             on_exit(self)
 
-        loop.add_reader(conn.fileno(), readable)
         loop.add_reader(process.sentinel, exited)
 
     def submit(self, job: BatchJob) -> None:
-        assert self._conn is not None
+        assert self._channel is not None
         try:
-            self._conn.send(("run", job))
-        except (OSError, ValueError):  # it just exited: its exit handler fails the job
+            self._channel.send(("run", job))
+        except OSError:  # it just exited: its exit handler fails the job
             log.debug("engine %d: send failed", self.index)
 
     def stop(self, timeout: float) -> None:
@@ -207,6 +207,12 @@ class ProcessBackend:
             return
         if self.state == "starting":  # still loading: it would read "stop" only once loaded
             process.terminate()
+        elif self._channel is not None:
+            try:
+                self._channel.send(("stop",))
+                self._channel.flush_blocking(1.0)  # the loop may not run again to write it
+            except OSError:
+                pass
         elif self._conn is not None:
             try:
                 self._conn.send(("stop",))
@@ -220,12 +226,13 @@ class ProcessBackend:
         if process.is_alive():
             process.kill()
             process.join(5)
-        if self._loop is not None and self._conn is not None and not self._conn.closed:
-            for fd in (self._conn.fileno(), process.sentinel):
-                try:
-                    self._loop.remove_reader(fd)
-                except (OSError, ValueError, RuntimeError):
-                    pass
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(process.sentinel)
+            except (OSError, ValueError, RuntimeError):
+                pass
+        if self._channel is not None:
+            self._channel.close()
         if self._conn is not None:
             self._conn.close()
         self.exitcode = process.exitcode

@@ -51,7 +51,12 @@ from service.settings import ServeSettings
 from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool
 
 log = logging.getLogger("vitserve.engine")
-INLINE_MEDIA_BYTES = 256 * 1024  # larger media go to a worker through a shared-memory segment
+# Media up to this size travel inside the job's message; larger ones through a shared-memory segment of
+# their own. The channel carries a message of any size whole (`service.channel`), so this is a matter of
+# cost only: a segment costs the front five system calls (create, size, write, close, unlink), and a
+# message this small goes to the socket in one write, while a larger one would wait in the front's buffer
+# until the worker reads it.
+INLINE_MEDIA_BYTES = 64 * 1024
 
 
 # The share of a request's time left that the work ahead of it may take at the measured rate: the rest
@@ -76,9 +81,11 @@ class Engine:
         self.names = shm.SegmentNames()
         self.backends: list[Backend] = make_backends(settings, runner)
         waits = self.metrics.worker_wait_seconds
+        # A job still running past its request's deadline (and a margin) lost its kill: its worker goes.
         self.workers = WorkerPool(settings.worker_processes(), memory_limit=settings.worker_max_rss_mib * 2**20,
                                   on_wait=lambda job, seconds: waits.labels(job).observe(seconds),
-                                  warm_up="service.workers.jobs:warm_up")
+                                  warm_up="service.workers.jobs:warm_up",
+                                  job_timeout_s=settings.request_timeout_s + 10)
         self.limits = MediaLimits(max_tokens=settings.max_item_tokens, max_decoded_frames=settings.max_decoded_frames)
         self.batcher = Batcher(settings, self.metrics, self.names, self._dispatched, self._engines_lost)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -375,8 +382,6 @@ class Engine:
         model = self.model
         assert model is not None
         options = self._options(item, model.processor)
-        # Media up to INLINE_MEDIA_BYTES travel in the job's message: a segment of its own costs the
-        # front five system calls (create, size, write, close, unlink) for what one pipe write carries.
         source = bytes(item.data) if len(item.data) <= INLINE_MEDIA_BYTES else self.names.next("in")
         pixels = self.names.next("px")
         reserved = 0
@@ -384,6 +389,10 @@ class Engine:
 
         def admit(cost: Estimate) -> bool:
             nonlocal reserved, estimated
+            if reserved:  # asked again: the job runs once more on another worker (its first one died)
+                tally["tokens"] -= reserved
+                self._release(reserved)
+                reserved = 0
             if not estimated:
                 estimated = True
                 self._unestimated -= 1
@@ -412,6 +421,8 @@ class Engine:
                     raise ItemError(item.index, str(exc), "too_much_memory", 413) from None
                 if exc.reason == "stopped":
                     raise NotReady("the server is stopping", "stopped") from None
+                if exc.reason == "deadline":
+                    raise asyncio.TimeoutError(str(exc)) from None
                 if exc.reason != "crash":  # killed from outside, its channel failed...: not the item's doing
                     raise WorkerLost(f"item {item.index}: {exc}") from None
                 raise ItemError(item.index, f"{exc}: the media is probably malformed", "decoder_crashed") from None

@@ -15,6 +15,14 @@ Processes also spread the work over the host's cores, which threads under one GI
   A killed worker is replaced at once (forked from a preloaded server process: milliseconds).
 - Memory: a worker whose resident memory passes `memory_limit` while it runs a job is killed, and the
   job fails with `WorkerDied("memory")`.
+- Capacity heals itself: every worker is starting (a replacement warming up), idle, busy or dying
+  (killed, not yet reaped), and each one lost is replaced at once. A worker is killed and replaced when
+  its channel fails, when it does not answer (a start past `START_TIMEOUT_S`, an idle one silent to a
+  ping past `PING_TIMEOUT_S`), or when its job outlives `job_timeout_s` (its request's deadline has
+  passed: cancelling it should have stopped it already). A job whose worker died of anything but its own
+  job's cost (killed from outside, a channel error, no answer) is run once more on another worker; a
+  second death fails it (`WorkerDied("crash")`: a decoder that dies twice on the same item).
+- Channel: the front's end of each worker's pipe is a `service.channel.Channel` (why: see there).
 - A job may ask its caller a question mid-way (`JobContext.ask`): media jobs report their estimated
   cost before decoding and wait for admission.
 - Warm-up: each new worker first runs `warm_up` (a "module:function" of no arguments), so the first
@@ -41,11 +49,20 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from service.channel import Channel, ChannelClosed
 from service.shm import exit_when_orphaned, keep_freed_memory, unlink
 
 log = logging.getLogger("vitserve.workers")
 
 WATCH_INTERVAL_S = 0.1
+START_TIMEOUT_S = 60.0  # from spawn to "ready" (warm-up included; a loaded 2-core box took about 2 s)
+PING_INTERVAL_S = 5.0  # an idle worker silent this long is pinged
+PING_TIMEOUT_S = 20.0  # and killed if it stays silent this long after the ping
+CHANNEL_GRACE_S = 1.0  # a worker whose channel closed has this long to be seen exiting before it is killed
+# Why a worker was replaced, as `restarts_by_cause` counts it: "crash" (it exited on its own, or was killed
+# from outside), "memory", "cancelled" (its job's request went away), "deadline", "channel",
+# "unresponsive".
+RETRIED_CAUSES = ("crash", "channel", "unresponsive")
 # Imported once in the fork server, so a new worker starts with them already loaded.
 PRELOAD = ["service.workers.jobs", "service.media.estimate", "service.media.image_preprocess",
            "service.media.video_preprocess"]
@@ -60,7 +77,8 @@ class JobFailed(Exception):
 
 
 class WorkerDied(Exception):
-    """The worker running the job exited: `reason` is "memory" (over its limit), "crash" or "stopped"."""
+    """The worker running the job exited: `reason` is "memory" (over its limit), "crash" (twice: the item's
+    own fault, most likely), "deadline" (it ran past the job timeout) or "stopped"."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -89,20 +107,36 @@ class _Job:
     priority: int = 1  # lower first
     queued: float = 0.0  # time.monotonic() when called
     worker: _Worker | None = None
+    started: float = 0.0  # time.monotonic() when its current worker took it
+    tries: int = 0  # workers it was sent to
 
 
 @dataclass(eq=False)
 class _Worker:
     index: int
     process: Any  # a multiprocessing process
-    conn: Connection
+    channel: Channel
     job: _Job | None = None
     kill_reason: str | None = None
+    ready: bool = False  # it said so after its warm-up
+    spawned: float = 0.0
+    heard: float = 0.0  # time.monotonic() of its last message
+    pinged: float = 0.0  # of the last ping not yet answered (0: none)
+    channel_lost: float = 0.0  # when its channel failed (0: it has not)
+
+    @property
+    def state(self) -> str:
+        if self.kill_reason is not None:
+            return "dying"
+        if not self.ready:
+            return "starting"
+        return "busy" if self.job is not None else "idle"
 
 
 class WorkerPool:
     def __init__(self, size: int, *, memory_limit: int | None = None, name: str = "vitserve-worker",
-                 on_wait: Callable[[str, float], None] | None = None, warm_up: str | None = None) -> None:
+                 on_wait: Callable[[str, float], None] | None = None, warm_up: str | None = None,
+                 job_timeout_s: float | None = None) -> None:
         if size < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {size}")
         self.size = size
@@ -110,6 +144,7 @@ class WorkerPool:
         self.name = name
         self.on_wait = on_wait  # (function name, seconds the job waited for a worker)
         self.warm_up = warm_up
+        self.job_timeout_s = job_timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
@@ -121,7 +156,9 @@ class WorkerPool:
         self._turns = itertools.count()
         self._stopping = False
         self._watch_handle: asyncio.TimerHandle | None = None
-        self.counters = {"jobs": 0, "killed_cancelled": 0, "killed_memory": 0, "crashed": 0, "restarts": 0}
+        self.counters = {"jobs": 0, "killed_cancelled": 0, "killed_memory": 0, "crashed": 0, "restarts": 0,
+                         "retries": 0}
+        self.restarts_by_cause: dict[str, int] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,11 +176,12 @@ class WorkerPool:
                                     name=f"{self.name}-{index}")
         process.start()
         child_end.close()
-        worker = _Worker(index, process, parent_end)
+        now = time.monotonic()
+        worker = _Worker(index, process, None, spawned=now, heard=now)  # type: ignore[arg-type]
+        worker.channel = Channel(parent_end, self.loop, lambda m: self._received(worker, m),
+                                 lambda reason: self._channel_failed(worker, reason))
         self._workers.append(worker)
-        self.loop.add_reader(parent_end.fileno(), self._readable, worker)
         self.loop.add_reader(process.sentinel, self._exited, worker)
-        self._idle.append(worker)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every worker (jobs still running fail with WorkerDied("stopped"))."""
@@ -157,7 +195,8 @@ class WorkerPool:
             if worker.job is not None:
                 self._fail(worker.job, WorkerDied("stopped", "the server stopped"))
             try:
-                worker.conn.send(("stop",))
+                worker.channel.send(("stop",))
+                worker.channel.flush_blocking(0.5)  # the loop may not run again to write it
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout
@@ -166,7 +205,7 @@ class WorkerPool:
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join(1)
-            worker.conn.close()
+            worker.channel.close()
             if worker.job is not None:  # failed above; what its worker wrote before exiting has no taker
                 _unlink_all(worker.job.leaves)
         self._workers.clear()
@@ -177,7 +216,9 @@ class WorkerPool:
                    leaves: tuple[str, ...] = (), priority: int = 1) -> Any:
         """Run `fn` ("module:function", called as fn(ctx, *args)) in a worker for `owner`; its return value.
         Raises what the job raised if that pickles (input errors), JobFailed for other exceptions, and
-        WorkerDied if the worker exited. Cancelling the awaiting task abandons the job (its worker is killed).
+        WorkerDied if its worker died and it was not run again (see the module's docstring). A job may run
+        twice: it must write nothing but its `leaves`, and `on_ask` may be asked again.
+        Cancelling the awaiting task abandons the job (its worker is killed).
         `leaves`: the segments the job writes; an abandoned job's are unlinked once its worker has answered
         or exited (a worker killed a moment late may still create them). `priority`: lower goes first."""
         if owner.cancelled:
@@ -231,12 +272,12 @@ class WorkerPool:
             # The worker that finished last: its caches and freed memory are still warm, and a lone
             # request keeps meeting the same one instead of a cold one in turn.
             worker = self._idle.pop()
-            try:
-                worker.conn.send(("run", job.id, job.fn, job.args))
-            except (OSError, ValueError) as exc:  # it just died: its exit handler replaces it
-                self._fail(job, WorkerDied("crash", f"worker unavailable: {exc}"))
-                continue
             worker.job, job.worker = job, worker
+            job.started, job.tries = time.monotonic(), job.tries + 1
+            try:
+                worker.channel.send(("run", job.id, job.fn, job.args))
+            except (ChannelClosed, OSError, ValueError):  # it just failed: its job runs again once it is gone
+                worker.channel_lost = worker.channel_lost or time.monotonic()
             owner.running += 1
             owner.last_turn = next(self._turns)
             if self.on_wait is not None:
@@ -251,13 +292,22 @@ class WorkerPool:
         return job
 
     # ---- messages from workers ----------------------------------------------------------------
-    def _readable(self, worker: _Worker) -> None:
-        try:
-            message = worker.conn.recv()
-        except (EOFError, OSError):
-            self._forget_reader(worker)
-            return  # the process exited: `_exited` handles it
+    def _channel_failed(self, worker: _Worker, reason: str) -> None:
+        # Most often the worker exited and its exit handler follows at once; one still alive a moment
+        # later has a broken channel and is killed (`_watch`).
+        worker.channel_lost = time.monotonic()
+
+    def _received(self, worker: _Worker, message: tuple) -> None:
+        worker.heard, worker.pinged = time.monotonic(), 0.0
         kind = message[0]
+        if kind == "ready":
+            if not worker.ready and worker.kill_reason is None:
+                worker.ready = True
+                self._idle.append(worker)
+                self._dispatch()
+            return
+        if kind == "pong":
+            return
         job = worker.job
         if job is None or message[1] != job.id:
             return  # a reply for a job already abandoned
@@ -285,32 +335,29 @@ class WorkerPool:
             reply = ("abort",)
             self._fail(job, exc)
         try:
-            worker.conn.send(reply)
+            worker.channel.send(reply)
         except (OSError, ValueError):
-            pass
+            pass  # its channel failed: the worker is being killed, and its job runs again
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
         if not job.future.done():
             job.future.set_exception(exc)
 
     # ---- deaths and kills ---------------------------------------------------------------------
-    def _kill(self, worker: _Worker, reason: str) -> None:
+    def _kill(self, worker: _Worker, reason: str, why: str = "") -> None:
         worker.kill_reason = reason
         self.counters[f"killed_{reason}"] = self.counters.get(f"killed_{reason}", 0) + 1
+        if worker in self._idle:
+            self._idle.remove(worker)
+        if why:
+            log.warning("worker %s (pid %s) killed and replaced: %s%s", worker.index, worker.process.pid, why,
+                        f" while running {worker.job.fn}" if worker.job else "")
         try:
             worker.process.kill()
         except (OSError, ValueError):
             pass
 
-    def _forget_reader(self, worker: _Worker) -> None:
-        if self.loop is not None and not worker.conn.closed:
-            try:
-                self.loop.remove_reader(worker.conn.fileno())
-            except (OSError, ValueError):
-                pass
-
     def _forget(self, worker: _Worker) -> None:
-        self._forget_reader(worker)
         if self.loop is not None:
             try:
                 self.loop.remove_reader(worker.process.sentinel)
@@ -321,25 +368,38 @@ class WorkerPool:
 
     def _exited(self, worker: _Worker) -> None:
         self._forget(worker)
+        reason = worker.kill_reason = worker.kill_reason or "crash"  # it takes no job from now on
+        if not worker.channel.closed:
+            worker.channel.read_now()  # a reply sent just before the exit still counts
         worker.process.join(1)
         if worker in self._workers:
             self._workers.remove(worker)
-        worker.conn.close()
+        worker.channel.close()
         job = self._finish(worker)
         if job is not None:
             _unlink_all(job.leaves)  # whatever it got to write, no result points at it
-        reason = worker.kill_reason or "crash"
         if reason == "crash":
             self.counters["crashed"] += 1
-            log.warning("worker %s exited with code %s%s", worker.index, worker.process.exitcode,
-                        f" while running {job.fn}" if job else "")
-        if job is not None:
-            message = {"memory": f"the item needed more than {self._limit_text()} of memory to process",
-                       "crash": "the worker processing the item crashed",
-                       "cancelled": "cancelled"}.get(reason, reason)
-            self._fail(job, WorkerDied(reason, message))
+            log.warning("worker %s (pid %s) exited with code %s%s", worker.index, worker.process.pid,
+                        worker.process.exitcode, f" while running {job.fn}" if job else "")
+        if job is not None and not job.future.done():
+            if reason in RETRIED_CAUSES and job.tries < 2 and not job.owner.cancelled and not self._stopping:
+                # Not its own fault as far as we know (killed from outside, a channel, a hang): once more,
+                # first in its owner's line. Its segments were unlinked above, so it writes them afresh.
+                self.counters["retries"] += 1
+                log.warning("running %s again on another worker (the first one's cause: %s)", job.fn, reason)
+                self._waiting.setdefault(job.owner, deque()).appendleft(job)
+            else:
+                message = {"memory": f"the item needed more than {self._limit_text()} of memory to process",
+                           "crash": "the worker processing the item crashed twice",
+                           "channel": "the channel to the worker processing the item failed twice",
+                           "unresponsive": "the worker processing the item stopped answering twice",
+                           "deadline": "the item took longer than the job timeout",
+                           "cancelled": "cancelled"}.get(reason, reason)
+                self._fail(job, WorkerDied("crash" if reason in RETRIED_CAUSES else reason, message))
         if not self._stopping:
             self.counters["restarts"] += 1
+            self.restarts_by_cause[reason] = self.restarts_by_cause.get(reason, 0) + 1
             self._spawn()
             self._dispatch()
 
@@ -347,23 +407,55 @@ class WorkerPool:
         return f"{self.memory_limit / 2**20:.0f} MiB" if self.memory_limit else "the limit"
 
     def _watch(self) -> None:
-        """Kill a worker whose job passed the memory limit."""
+        """Kill a worker whose job passed the memory limit or the job timeout, or that does not answer."""
         if self._stopping or self.loop is None:
             return
-        if self.memory_limit:
-            for worker in self._workers:
-                if worker.job is not None and worker.kill_reason is None:
-                    rss = resident_bytes(worker.process.pid)
-                    if rss is not None and rss > self.memory_limit:
-                        log.warning("worker %s uses %.0f MiB running %s: killed", worker.index, rss / 2**20,
-                                    worker.job.fn)
-                        self._kill(worker, "memory")
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.kill_reason is not None:
+                continue
+            job = worker.job
+            if worker.channel_lost and now - worker.channel_lost > CHANNEL_GRACE_S:
+                self._kill(worker, "channel", f"its channel failed ({worker.channel.reason})")
+            elif not worker.ready:
+                if now - worker.spawned > START_TIMEOUT_S:
+                    self._kill(worker, "unresponsive", f"not ready {START_TIMEOUT_S:g}s after it started")
+            elif job is None:
+                if worker.pinged and now - worker.pinged > PING_TIMEOUT_S:
+                    self._kill(worker, "unresponsive", f"no answer to a ping in {PING_TIMEOUT_S:g}s")
+                elif not worker.pinged and now - worker.heard > PING_INTERVAL_S:
+                    worker.pinged = now
+                    try:
+                        worker.channel.send(("ping",))
+                    except (OSError, ValueError):
+                        pass  # its channel failed: being killed
+            elif self.job_timeout_s is not None and now - job.started > self.job_timeout_s:
+                self._kill(worker, "deadline", f"{job.fn} ran past the job timeout of {self.job_timeout_s:g}s")
+            elif self.memory_limit:
+                rss = resident_bytes(worker.process.pid)
+                if rss is not None and rss > self.memory_limit:
+                    log.warning("worker %s uses %.0f MiB running %s: killed", worker.index, rss / 2**20, job.fn)
+                    self._kill(worker, "memory")
         self._watch_handle = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
 
     # ---- reporting ----------------------------------------------------------------------------
+    def states(self) -> dict[str, int]:
+        """Workers by state: idle and busy ones serve; starting and dying ones are being replaced."""
+        out = dict.fromkeys(("idle", "busy", "starting", "dying"), 0)
+        for w in self._workers:
+            out[w.state] += 1
+        return out
+
+    @property
+    def live(self) -> int:
+        """Workers able to take a job now or once their job ends."""
+        return sum(w.ready and w.kill_reason is None for w in self._workers)
+
     def stats(self) -> dict[str, Any]:
-        return {"workers": len(self._workers), "busy": sum(w.job is not None for w in self._workers),
-                "queued": sum(len(q) for q in self._waiting.values()), **self.counters}
+        states = self.states()
+        return {"workers": len(self._workers), "busy": states["busy"], "states": states,
+                "queued": sum(len(q) for q in self._waiting.values()), **self.counters,
+                "restarts_by_cause": dict(self.restarts_by_cause)}
 
 
 def _unlink_all(names: tuple[str, ...]) -> None:
@@ -395,7 +487,8 @@ class JobContext:
     def ask(self, question: Any) -> Any:
         """Send `question` to the caller's `on_ask` and return its answer; raises Aborted if it refused."""
         self._conn.send(("ask", self._job_id, question))
-        reply = self._conn.recv()
+        while (reply := self._conn.recv())[0] == "ping":  # sent while it thought us idle
+            self._conn.send(("pong",))
         if reply[0] == "abort":
             raise Aborted()
         return reply[1]
@@ -419,10 +512,12 @@ def worker_main(conn: Connection, front_pid: int, warm_up: str | None = None) ->
     # The front killed outright cannot stop us; its fork server exits with it, which re-parents us.
     threading.Thread(target=exit_when_orphaned, args=(parent, front_pid), daemon=True).start()
     if warm_up is not None:
-        try:  # a job sent meanwhile waits in the pipe; it would have paid the same cold start
+        try:
             _resolve(warm_up)()
         except Exception:  # noqa: BLE001 - only the speed of the first job is at stake
             log.warning("worker warm-up %s failed", warm_up, exc_info=True)
+    # Blocking sends on this end: this process has nothing else to do while the front reads.
+    conn.send(("ready",))
     functions: dict[str, Callable[..., Any]] = {}
     while True:
         try:
@@ -431,6 +526,9 @@ def worker_main(conn: Connection, front_pid: int, warm_up: str | None = None) ->
             break
         if message[0] == "stop":
             break
+        if message[0] == "ping":
+            conn.send(("pong",))
+            continue
         if message[0] != "run":
             continue  # a stale reply to an abandoned question
         _, job_id, fn_path, args = message
