@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.handoff.ec_client import replica_for
+from service.handoff.ec_client import Loader, Replicas, check_output, replica_for
 from tests.http_helpers import QuietHandler, ServerThread, image_bytes, loopback_http_server, server_url, settings
 
 PNG = image_bytes(96, 64, seed=71)
@@ -198,3 +198,9 @@ def test_replicas_act_as_one_cache():
                 other = b.url if home == a.url else a.url
                 assert httpx.get(f"{home}/v1/encoder_cache/{u}").status_code == 200
                 assert httpx.get(f"{other}/v1/encoder_cache/{u}").status_code == 404
+            # As the connector loads them: the same list, each id from its replica, each answer checked.
+            loader = Loader(Replicas([b.url, a.url]), "cpu")
+            for u in uuids:
+                tensor, header = loader.load(u)
+                check_output(u, header, tensor.shape[0])
+                assert header["__metadata__"]["uuid"] == u

@@ -198,6 +198,20 @@ def to_tensor(body: bytearray | memoryview, header: dict[str, Any], staging: tor
     return flat.view(*spec["shape"])
 
 
+def check_output(item_id: str, header: dict[str, Any], rows: int) -> None:
+    """The body holds the output asked for: the uuid its metadata names (files written before it was named:
+    the content id, for an id that is one), and a 2-D tensor of at least `rows` rows (vLLM's runner slices
+    the placeholder's rows without checking)."""
+    md = header.get("__metadata__") or {}
+    named = md.get("uuid") or (md.get("content_id") if item_id.startswith("vit-") else None)
+    if named is not None and named != item_id:
+        raise FetchError(f"vitserve answered {item_id} with the output of {named}")
+    shape = header[TENSOR_KEY]["shape"]
+    if len(shape) != 2 or shape[0] < rows:
+        raise FetchError(f"encoder output {item_id} has shape {tuple(shape)}: the prompt's placeholder needs "
+                         f"{rows} rows")
+
+
 class Loader:
     """Outputs onto a device as the connector loads them. For a GPU, each thread reads bodies into its own
     pinned staging buffer, reused from load to load, and copies the tensor from there: no fresh host

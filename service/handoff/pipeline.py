@@ -294,10 +294,12 @@ class Handoff:
             if self._valid(self.storage.header(uuid), cid, identity, model):
                 self.storage.touch(uuid)
                 continue
-            self.storage.write_parts(uuid, [self.file_body(cid, entry, identity, model)])
+            self.storage.write_parts(uuid, [self.file_body(uuid, cid, entry, identity, model)])
 
-    def file_metadata(self, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> dict[str, str]:
-        """What a stored file says of its tensor: `_valid` checks it before the file is served again."""
+    def file_metadata(self, uuid: str, cid: str, entry: CachedOutput, identity: str,
+                      model: ModelInfo) -> dict[str, str]:
+        """What a stored file says of its tensor: `_valid` checks it before the file is served again, and the
+        LLM server's connector that it got the output it asked for by `uuid`."""
         meta = {k: _plain(entry.meta[k]) for k in STORED_META if k in entry.meta}
         return {
             "format": "pt",
@@ -305,6 +307,7 @@ class Handoff:
             "model": self.settings.model_name,
             "model_identity": identity,
             "content_id": cid,
+            "uuid": uuid,
             "modality": entry.modality,
             "grid_thw": json.dumps(list(entry.grid_thw)),
             "num_patches": str(entry.num_patches),
@@ -314,17 +317,17 @@ class Handoff:
             "meta": json.dumps(meta, separators=(",", ":")),
         }
 
-    def file_head(self, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> bytes:
+    def file_head(self, uuid: str, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> bytes:
         """The safetensors header of `entry`'s file: its rows follow it as they sit in the segment."""
         ref = entry.output
         return safetensors_head(SAFETENSORS_DTYPES[getattr(torch, ref.dtype)], (ref.rows, ref.width), ref.nbytes,
-                                self.file_metadata(cid, entry, identity, model))
+                                self.file_metadata(uuid, cid, entry, identity, model))
 
-    def file_body(self, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> bytearray:
+    def file_body(self, uuid: str, cid: str, entry: CachedOutput, identity: str, model: ModelInfo) -> bytearray:
         """The whole safetensors file of `entry` (one tensor `ec_cache`, the rows in the served dtype), read
         straight from its segment behind the header: one copy of the rows."""
         ref = entry.output
-        head = self.file_head(cid, entry, identity, model)
+        head = self.file_head(uuid, cid, entry, identity, model)
         body = bytearray(len(head) + ref.nbytes)
         body[:len(head)] = head
         if ref.nbytes:

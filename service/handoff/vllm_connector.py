@@ -48,7 +48,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from service.handoff.ec_client import CheckIncomplete, FetchError, Loader, Replicas
+from service.handoff.ec_client import CheckIncomplete, Loader, Replicas, check_output
 
 if TYPE_CHECKING:
     import torch
@@ -207,12 +207,7 @@ class VitserveConnector(ECConnectorBase):
         else:
             with _sync_allowed():
                 tensor, header = loader.load(item.identifier)
-        named = (header.get("__metadata__") or {}).get("content_id")
-        if item.identifier.startswith("vit-") and named not in (None, item.identifier):
-            raise FetchError(f"vitserve answered {item.identifier} with the output of {named}")
-        if tensor.dim() != 2 or tensor.shape[0] < item.rows:
-            raise FetchError(f"encoder output {item.identifier} has shape {tuple(tensor.shape)}: the prompt's "
-                             f"placeholder needs {item.rows} rows")
+        check_output(item.identifier, header, item.rows)
         self.fetches += 1
         self.fetch_seconds += time.perf_counter() - started
         return tensor

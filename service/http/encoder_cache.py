@@ -112,7 +112,7 @@ async def local_body(service: Service, item_id: str) -> tuple[list[Any] | None, 
     if found is not None:
         cid, entry = found
         try:
-            head = handoff.file_head(cid, entry, handoff.identity(model), model)  # type: ignore[arg-type]
+            head = handoff.file_head(item_id, cid, entry, handoff.identity(model), model)  # type: ignore[arg-type]
             rows = memoryview(shm.open_segment(entry.output.segment))[:entry.output.nbytes] if entry.output.nbytes \
                 else memoryview(b"")
         except BaseException:
