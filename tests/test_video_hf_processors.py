@@ -191,7 +191,9 @@ def test_each_family_names_transformers_own_video_processor() -> None:
 
     rules = {"Qwen2VLVideoProcessor": "qwen2", "Qwen3VLVideoProcessor": "qwen3", "Glm4vVideoProcessor": "glm4v"}
     for name, family in FAMILIES.items():
-        mapped = (VIDEO_PROCESSOR_MAPPING_NAMES.get(name) or {}).get("torchvision")
+        mapped = VIDEO_PROCESSOR_MAPPING_NAMES.get(name)
+        if isinstance(mapped, dict):  # transformers 5.2x: per backend; earlier 5.x: the class name
+            mapped = mapped.get("torchvision")
         if mapped in rules and family.video:
             assert rules[mapped] == family.video_sampling, (name, mapped)
 
