@@ -1,4 +1,4 @@
-"""GLM-4.1V's hand-off judged by vLLM 0.33.0's own code (vllm/model_executor/models/glm4_1v.py), as
+"""GLM-4.1V's and GLM-OCR's hand-off judged by vLLM 0.33.0's own code (vllm/model_executor/models/glm4_1v.py), as
 tests/test_vllm_handoff.py does for the Qwen-VL families: a real vitserve server answers, tests/vllm_driver.py
 feeds its parts to vLLM's parser, GLM processor, input processor, model and `ECExampleConnector`.
 
@@ -18,13 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from models.families import FAMILIES
 from models.presets import PRESETS
 from service.handoff import sidecar
 from tests.http_helpers import ROOT, ServerThread, image_bytes, settings
 from tests.test_vllm_handoff import HOW, VLLM_DTYPE, reference, vllm_python
 from tests.videos import make_video
 
-MODEL = "tiny-glm4v"
+MODELS = ["tiny-glm4v", "tiny-glm-ocr"]
 IMAGES = [image_bytes(160, 120, seed=31, fmt="JPEG"), image_bytes(96, 96, seed=32, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)
 MEDIA = [("image", IMAGES[0]), ("image", IMAGES[1]), ("video", VIDEO)]
@@ -41,15 +42,15 @@ GLM_CHAT_TEMPLATE = (
 )
 
 
-def write_vllm_glm_folder(folder: Path) -> Path:
-    """A GLM-4.1V folder vLLM's config, tokenizer and GLM processor load without a hub: the whole model's
-    config (text width = the tower's output width), GLM's processor configs and a byte-level tokenizer
-    holding GLM's special tokens. No weights: vLLM builds its model with dummy ones."""
+def write_vllm_glm_folder(folder: Path, name: str) -> Path:
+    """A folder for the GLM preset `name` that vLLM's config, tokenizer and GLM processor load without a hub:
+    the whole model's config (text width = the tower's output width), GLM's processor configs and a
+    byte-level tokenizer holding GLM's special tokens. No weights: vLLM builds its model with dummy ones."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig
 
     folder.mkdir(parents=True, exist_ok=True)
-    preset = PRESETS[MODEL]
+    preset = PRESETS[name]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -61,18 +62,19 @@ def write_vllm_glm_folder(folder: Path) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
         "model_max_length": 8192, "chat_template": GLM_CHAT_TEMPLATE}))
     out_hidden = preset.vision["out_hidden_size"]
+    half = out_hidden // 4 // 4  # M-RoPE sections cover half of the rotated half of a head
     text = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                 "mrope_section": [1, 2, 2]},  # half of head_dim 20 * 0.5
+                                 "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
                 bos_token_id=None, eos_token_id=ids["<|endoftext|>"])
     cfg = AutoConfig.for_model(
-        "glm4v", vision_config=preset.vision, text_config=text,
+        preset.family, vision_config=preset.vision, text_config=text,
         image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
         image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
         video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
     )
-    cfg.architectures = ["Glm4vForConditionalGeneration"]
+    cfg.architectures = [FAMILIES[preset.family].hf_class]
     cfg.save_pretrained(folder)
     image = {**preset.preprocessor, "image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm4vProcessor"}
     video = {**(preset.video_preprocessor or {}), "video_processor_type": "Glm4vVideoProcessor",
@@ -97,22 +99,27 @@ def run(tmp_path_factory) -> dict[str, Any]:
     python = vllm_python()
     store = tmp_path_factory.mktemp("ec")
     work = tmp_path_factory.mktemp("vllm")
-    cfg = settings(model=MODEL, ec_shared_storage=str(store), cache_bytes=64 << 20)
     http: dict[str, Any] = {}
-    with ServerThread(cfg) as srv, srv.client() as c:
-        for name, body in {"float": {"items": items()}, "vllm": {"items": items(), "encoding_format": "vllm"},
-                           "ref": {"items": items(), "encoding_format": "vllm_ref"}}.items():
-            r = c.post("/encode", json=body)
-            assert r.status_code == 200, r.text
-            http[name] = r.json()["data"]
-        chat = sidecar.rewrite_chat(sidecar.chat_request("m", "Describe.", media_parts()), srv.url, mode="ref")
-    cases = [
-        {"name": "embeds", "parts": [e["content_part"] for e in http["vllm"]], "model": False},
-        {"name": "ref", "messages": chat["messages"], "consumer": str(store), "model": True},
-    ]
-    folder = write_vllm_glm_folder(work / MODEL)
-    request = {"models": [{"name": MODEL, "dir": str(folder), "dtype": "bfloat16", "cases": cases}],
-               "tensors_out": str(work / "out.safetensors")}
+    chats: dict[str, Any] = {}
+    request: dict[str, Any] = {"models": [], "tensors_out": str(work / "out.safetensors")}
+    for name in MODELS:
+        cfg = settings(model=name, ec_shared_storage=str(store), cache_bytes=64 << 20)
+        got: dict[str, Any] = {}
+        with ServerThread(cfg) as srv, srv.client() as c:
+            for kind, body in {"float": {"items": items()}, "vllm": {"items": items(), "encoding_format": "vllm"},
+                               "ref": {"items": items(), "encoding_format": "vllm_ref"}}.items():
+                r = c.post("/encode", json=body)
+                assert r.status_code == 200, r.text
+                got[kind] = r.json()["data"]
+            chats[name] = sidecar.rewrite_chat(sidecar.chat_request("m", "Describe.", media_parts()), srv.url,
+                                               mode="ref")
+        http[name] = got
+        cases = [
+            {"name": "embeds", "parts": [e["content_part"] for e in got["vllm"]], "model": False},
+            {"name": "ref", "messages": chats[name]["messages"], "consumer": str(store), "model": True},
+        ]
+        folder = write_vllm_glm_folder(work / name, name)
+        request["models"].append({"name": name, "dir": str(folder), "dtype": "bfloat16", "cases": cases})
     env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", PYTHONPATH="")
     proc = subprocess.run([python, str(ROOT / "tests" / "vllm_driver.py")], input=json.dumps(request), text=True,
@@ -120,40 +127,42 @@ def run(tmp_path_factory) -> dict[str, Any]:
     if proc.returncode != 0 or not proc.stdout.strip():
         pytest.fail(f"vLLM's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"http": http, "chat": chat, "cases": report["cases"], "tensors": load_file(request["tensors_out"])}
+    return {"http": http, "chat": chats, "cases": report["cases"], "tensors": load_file(request["tensors_out"])}
 
 
-def test_reference_parts_keep_the_media_and_load_vitserves_tensors(run):
+@pytest.mark.parametrize("model", MODELS)
+def test_reference_parts_keep_the_media_and_load_vitserves_tensors(run, model):
     """`vllm_ref` for GLM-4.1V: the part names the media by uuid; the sidecar keeps each media part and adds the
     uuid; vLLM's GLM processor sizes every placeholder from the media to exactly vitserve's token count, the
     connector finds and loads every file by the uuid, and the merge gives vitserve's rows."""
-    case = run["cases"][f"{MODEL}/ref"]
+    case = run["cases"][f"{model}/ref"]
     assert case["ok"], case.get("error")
-    ref = run["http"]["ref"]
+    ref = run["http"][model]["ref"]
     uuids = [e["content_part"]["uuid"] for e in ref]
     assert [e["content_part"] for e in ref] == [{"type": f"{k}_url", "uuid": u} for (k, _), u in zip(MEDIA, uuids)]
-    sent = [p for p in run["chat"]["messages"][0]["content"] if p["type"] != "text"]
+    sent = [p for p in run["chat"][model]["messages"][0]["content"] if p["type"] != "text"]
     assert [p["uuid"] for p in sent] == uuids and all(p[p["type"]]["url"].startswith("data:") for p in sent)
     assert [f["identifier"] for f in case["features"]] == uuids == [e["content_id"] for e in ref]
     assert case["has_cache"] == [True] * 3 and case["loaded"] == sorted(uuids)
-    for k, (feature, entry) in enumerate(zip(case["features"], run["http"]["float"])):
+    for k, (feature, entry) in enumerate(zip(case["features"], run["http"][model]["float"])):
         main, _ = reference(entry)
-        loaded = run["tensors"][f"{MODEL}/ref.enc.{k}"]
+        loaded = run["tensors"][f"{model}/ref.enc.{k}"]
         assert feature["num_embeds"] == loaded.shape[0] == entry["num_tokens"]
         assert loaded.dtype == torch.float32 and torch.equal(loaded, main)
-        assert torch.equal(run["tensors"][f"{MODEL}/ref.merged.{k}"], main.to(VLLM_DTYPE))
+        assert torch.equal(run["tensors"][f"{model}/ref.merged.{k}"], main.to(VLLM_DTYPE))
     video = case["features"][2]
     assert video["modality"] == "video" and video["length"] > video["num_embeds"]  # GLM's per-frame timestamps
 
 
-def test_inline_parts_are_refused_by_vllm_and_flagged(run):
+@pytest.mark.parametrize("model", MODELS)
+def test_inline_parts_are_refused_by_vllm_and_flagged(run, model):
     """vLLM 0.33's GLM-4.1V parser reads an `image_embeds` part as images and fails: vitserve's answer says so."""
-    case = run["cases"][f"{MODEL}/embeds"]
+    case = run["cases"][f"{model}/embeds"]
     assert not case["ok"]
-    for entry in run["http"]["vllm"]:
+    for entry in run["http"][model]["vllm"]:
         assert entry["content_part"]["type"] == f"{entry['type']}_embeds"
         assert "vllm_ref" in entry["warnings"][0]
-    assert all("warnings" not in e for e in run["http"]["ref"])
+    assert all("warnings" not in e for e in run["http"][model]["ref"])
 
 
 def test_handed_off_keeps_the_media_of_a_media_reference():
