@@ -7,10 +7,12 @@ turns' images; vitserve answers those from its encoder-output cache.
 
 Two modes (docs/sidecar.md walks through both):
 
-- `ref` (recommended): `encoding_format: "vllm_ref"`. vitserve writes each item's tensor to its
-  `--ec-shared-storage` folder and returns metadata-only parts (grid, Qwen3-VL timestamps, uuid); vLLM,
-  started as the shared-storage encoder-cache consumer of the same folder, loads the tensors from there.
-  Nothing large travels in the chat request, and vLLM never decodes nor resizes the media.
+- `ref` (recommended): `encoding_format: "vllm_ref"`. vitserve keeps each item's tensor (in its
+  encoder-output cache for `GET /v1/encoder_cache/{uuid}`, or in its `--ec-shared-storage` folder) and
+  returns metadata-only parts (grid, Qwen3-VL timestamps, uuid); vLLM, an encoder-cache consumer
+  (`VitserveConnector` over HTTP, or the shared-storage connector of the same folder), loads the tensors.
+  Nothing large travels in the chat request, and vLLM never decodes nor resizes the media. vitserve's own
+  OpenAI front (`vitserve serve --llm-url`) does this rewrite in the server.
 - `embeds`: `encoding_format: "vllm"`. The parts carry the embeddings (base64 of `torch.save`); vLLM
   needs `--enable-mm-embeds`.
 
@@ -206,8 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the model name vLLM serves")
     p.add_argument("--prompt", required=True, help="the question about the media")
     p.add_argument("--mode", choices=list(MODES), default="ref",
-                   help="ref: metadata-only parts, tensors through vitserve's --ec-shared-storage folder (vLLM as "
-                        "its encoder-cache consumer); embeds: embeddings inline (vLLM with --enable-mm-embeds)")
+                   help="ref: metadata-only parts, the tensors kept by vitserve for vLLM's encoder-cache consumer "
+                        "(VitserveConnector, or the --ec-shared-storage folder); embeds: embeddings inline (vLLM "
+                        "with --enable-mm-embeds)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="embedding dtype in embeds mode: the LLM's dtype")
     p.add_argument("--max-tokens", type=int, default=None)
