@@ -282,20 +282,22 @@ class Engine:
         """429 now for work that would end in a 504: what is ahead of it takes longer than the time left
         until `deadline` (`time.monotonic()`).
 
-        Ahead of an item: the tokens admitted before it (queued, or still being decoded) and those on the
-        engines, at the engines' measured rate. Ahead of a request that has not reached a worker yet
-        (`before_workers`), also the items still waiting for a worker, at the usual item's tokens, and
-        the media jobs queued or running, at the measured time of one over the workers. Decoding and
-        encoding proceed side by side, so the longer of the two is the least the request must wait.
-        Nothing is refused on a guess: a measure not taken yet counts for nothing (the token bound still
-        holds). Retry-After is when a request with a fresh deadline would fit, were nothing added.
+        Ahead of an item: the tokens decoded and queued before it and those on the engines (the queue is
+        served in order of arrival), at the engines' measured rate. Items still being decoded are not
+        counted: a slow one (a long video) does not hold up the small items decoded after it. Ahead of
+        a request that has not reached a worker yet (`before_workers`), also the items waiting for a
+        worker, at the usual item's tokens, and the media jobs queued or running, at the measured time
+        of one over the workers. Decoding and encoding proceed side by side, so the longer of the two is
+        the least the request must wait. Nothing is refused on a guess: a measure not taken yet counts
+        for nothing (the token bound still holds). Retry-After is when a request with a fresh deadline
+        would fit, were nothing added.
         """
         if deadline is None:
             return
         waits: list[tuple[float, str]] = []
         rate = self.batcher.rate()
         if rate:
-            ahead = self._reserved + self.batcher.outstanding_tokens
+            ahead = self.batcher.queued_tokens + self.batcher.outstanding_tokens
             if before_workers and self._item_tokens is not None:  # items ahead, not yet read: the usual size
                 ahead += round(self._unestimated * self._item_tokens)
             waits.append(((ahead + tokens) / rate, f"{ahead + tokens} tokens to encode at the measured "
