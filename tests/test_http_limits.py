@@ -4,6 +4,7 @@ server's memory and service unaffected by clients that send huge or endless head
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -119,14 +120,17 @@ def test_many_slow_or_huge_heads_do_not_hold_up_a_normal_request(server):
         assert all(status_of(answer(s)) == 431 for s in huge)
 
 
-def test_connections_over_the_limit_get_503_but_health_answers():
+def test_connections_over_the_limit_get_503_but_health_answers(caplog):
     with ServerThread(settings(max_connections=4)) as srv, ExitStack() as stack:
         for _ in range(4):
             stack.enter_context(connect(srv.port))
         time.sleep(0.2)  # let the server accept them
-        r = httpx.post(srv.url + "/encode", json=BODY)
+        with caplog.at_level(logging.WARNING, logger="vitserve"):
+            r = httpx.post(srv.url + "/encode", json=BODY)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "too_many_connections"
+        error = r.json()["error"]
+        assert error["code"] == "too_many_connections"
+        assert len([rec for rec in caplog.records if error["error_id"] in rec.getMessage()]) == 1
         assert httpx.get(srv.url + "/health").status_code == 200
         stack.close()
         time.sleep(0.2)
