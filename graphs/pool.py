@@ -122,9 +122,8 @@ class GraphPool:
         stream, it pins a mostly free segment that emptying the cache cannot return: with a new pooled
         stream per key, 31 such segments held 7.6 GiB on an H200 (Qwen2.5-VL, 126 graphs)."""
         stream = torch.cuda.Stream(self.device)
-        ref = next(self.tower.parameters())
         with torch.cuda.stream(stream), torch.inference_mode():
-            x = torch.zeros(8, 8, device=self.device, dtype=ref.dtype)
+            x = torch.zeros(8, 8, device=self.device, dtype=self.tower.dtype)
             torch.nn.functional.linear(x, x, x[0])  # the workspace of the product with bias (cuBLASLt)
             x @ x
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -160,9 +159,8 @@ class GraphPool:
         [tokens, out_hidden * (1 + DeepStack layers)] buffer: the main embedding, then each DeepStack
         level, side by side (vLLM's layout), so a batch's result leaves the device in one copy."""
         tokens = patches // self.tower.merge_unit
-        ref = next(self.tower.parameters())
         hidden = self.tower.out_hidden_size
-        self._joined = torch.zeros((tokens, hidden * (1 + self.tower.num_deepstack)), dtype=ref.dtype,
+        self._joined = torch.zeros((tokens, hidden * (1 + self.tower.num_deepstack)), dtype=self.tower.dtype,
                                    device=self.device)
 
     def _forward_into_outputs(self, inputs: dict[str, torch.Tensor], cap: Capacity) -> torch.Tensor:

@@ -103,6 +103,10 @@ class QwenTower(nn.Module):
         return next(self.parameters()).device
 
     @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
     def deepstack_mergers(self) -> list[nn.Module]:
         return list(getattr(self, self.spec.deepstack)) if self.spec.deepstack else []
 
