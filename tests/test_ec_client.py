@@ -49,3 +49,30 @@ def test_a_replica_that_does_not_answer_holds_none_of_its_ids():
     assert err.value.found == {i: False for i in IDS[:3]}
     with pytest.raises(FetchError):
         replicas.fetch(IDS[0])
+
+
+def test_a_load_asks_again_a_replica_that_did_not_answer(monkeypatch):
+    from service.handoff import ec_client
+
+    calls = []
+
+    def flaky(self, item_id):
+        calls.append(item_id)
+        if len(calls) < 3:
+            raise FetchError("connection refused")
+        return "tensor", {"ec_cache": {}}
+
+    monkeypatch.setattr(ec_client.Loader, "_load", flaky)
+    monkeypatch.setattr(ec_client, "RETRY_S", (0, 0, 0))
+    loader = ec_client.Loader(Replicas(["http://127.0.0.1:1"]), "cpu")
+    assert loader.load(IDS[0])[0] == "tensor" and len(calls) == 3
+
+    def gone(self, item_id):
+        calls.append(item_id)
+        raise FetchError("HTTP 404", 404)
+
+    monkeypatch.setattr(ec_client.Loader, "_load", gone)
+    calls.clear()
+    with pytest.raises(FetchError):
+        loader.load(IDS[0])
+    assert len(calls) == 1  # an answer is final

@@ -15,6 +15,7 @@ import http.client
 import json
 import struct
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_TIMEOUT_S = 10.0
+RETRY_S = (0.05, 0.25, 1.0)  # pauses before a load asks a replica that did not answer again
 CHECK_PATH = "/v1/encoder_cache/check"
 TENSOR_KEY = "ec_cache"
 
@@ -231,7 +233,19 @@ class Loader:
         return buf
 
     def load(self, item_id: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        """(the output on the device, the body's header)."""
+        """(the output on the device, the body's header). A replica that does not answer (restarting, a
+        connection reset) is asked again after RETRY_S pauses: the scheduler found the id there moments ago,
+        and a load that fails stops vLLM's step."""
+        for pause in RETRY_S:
+            try:
+                return self._load(item_id)
+            except FetchError as exc:
+                if exc.status:  # it answered: 404 and the like will not change
+                    raise
+                time.sleep(pause)
+        return self._load(item_id)
+
+    def _load(self, item_id: str) -> tuple[torch.Tensor, dict[str, Any]]:
         if self.device == "cpu":
             body, header = self.replicas.fetch(item_id)
             return to_tensor(body, header), header
