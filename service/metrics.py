@@ -99,6 +99,29 @@ class EngineCollector(Collector):
         yield from (up, outstanding, batches, items, hits, misses)
 
 
+class WorkerCollector(Collector):
+    """The media workers by state, why they were replaced, and the jobs run again (`WorkerPool.stats`)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable:
+        stats = self._stats()
+        workers = GaugeMetricFamily("vitserve_workers", "Media worker processes by state: idle and busy ones "
+                                    "serve, starting and dying ones are being replaced", labels=["state"])
+        for state, n in stats["states"].items():
+            workers.add_metric([state], n)
+        restarts = CounterMetricFamily("vitserve_worker_restarts", "Media workers replaced, by cause: crash (it "
+                                       "exited, or was killed from outside), memory, cancelled, deadline, channel, "
+                                       "unresponsive", labels=["cause"])
+        for cause, n in stats["restarts_by_cause"].items():
+            restarts.add_metric([cause], n)
+        retries = CounterMetricFamily("vitserve_worker_retries", "Jobs run again because their worker died of "
+                                      "something other than the job itself")
+        retries.add_metric([], stats["retries"])
+        yield from (workers, restarts, retries)
+
+
 class MemoryCollector(Collector):
     """Device memory of each engine by kind (weights, graph pool, ...), as the engines last reported it."""
 
@@ -231,11 +254,16 @@ class Metrics:
             "idle_timeout (kept-alive, idle past --keep-alive-timeout-s), no_request (nothing sent within "
             "--header-timeout-s), client_closed (the client closed or reset it with a request unanswered), "
             "aborted (the server gave up on it mid-request or mid-response)", ["reason"], registry=r)
+        self.engine_restarts = Counter("vitserve_engine_restarts", "Engine processes started again after they "
+                                       "exited (killed, crashed)", registry=r)
         self._pool_stats: StatsSource | None = None
         r.register(PoolCollector(lambda: self._pool_stats))
 
     def attach_pool(self, stats: StatsSource) -> None:
         self._pool_stats = stats
+
+    def attach_workers(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(WorkerCollector(stats))
 
     def attach_memory(self, memory: Callable[[], list[dict[str, Any] | None]]) -> None:
         self.registry.register(MemoryCollector(memory))

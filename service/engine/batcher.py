@@ -109,12 +109,12 @@ class _InFlight:
 
 class Batcher:
     def __init__(self, settings: Any, metrics: Metrics, names: shm.SegmentNames,
-                 on_dispatched: Callable[[list[Work]], None], on_all_engines_lost: Callable[[str], None]) -> None:
+                 on_dispatched: Callable[[list[Work]], None], on_engine_down: Callable[[Backend], None]) -> None:
         self.settings = settings
         self.metrics = metrics
         self.names = names
         self.on_dispatched = on_dispatched  # the works left the queue (admission releases their tokens)
-        self.on_all_engines_lost = on_all_engines_lost
+        self.on_engine_down = on_engine_down  # an engine exited on its own: the engine restarts it
         self.engines: list[Backend] = []
         self.model: ModelInfo | None = None
         self.queue: list[Work] = []
@@ -132,10 +132,15 @@ class Batcher:
     def start(self, loop: asyncio.AbstractEventLoop, engines: list[Backend], model: ModelInfo) -> None:
         self.loop, self.engines, self.model = loop, engines, model
         for e in engines:
-            self._outstanding[e.index] = 0
             self.batches[e.index] = self.items[e.index] = 0
             self.throughput[e.index] = Throughput()
-            e.attach(loop, self._on_reply, self._on_exit)
+            self.attach(e)
+
+    def attach(self, engine: Backend) -> None:
+        """Take batches to `engine` from now on: at start, and when it is back from a restart."""
+        assert self.loop is not None
+        self._outstanding[engine.index] = 0
+        engine.attach(self.loop, self._on_reply, self._on_exit)
         self.kick()
 
     # ---- the queue ----------------------------------------------------------------------------
@@ -315,11 +320,10 @@ class Batcher:
         left = sum(e.state == "ready" for e in self.engines)
         log.error("engine %d (%s, pid %s) exited with code %s; %d batch(es) in flight fail, %d engine(s) left",
                   engine.index, engine.device, engine.pid, engine.exitcode, len(lost), left)
-        if left == 0:
-            self.fail_queue(EngineDied("no engine is left to run this request"))
-            self.on_all_engines_lost("every engine exited")
-        else:
-            self.kick()
+        if left == 0:  # nothing would run the queue until the restart: its requests are told to come back
+            self.fail_queue(EngineDied("no engine is running: one is restarting; retry"))
+        self.on_engine_down(engine)
+        self.kick()
 
     def fail_queue(self, exc: Exception) -> None:
         works, self.queue = self.queue, []

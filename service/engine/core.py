@@ -51,6 +51,7 @@ from service.settings import ServeSettings
 from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool
 
 log = logging.getLogger("vitserve.engine")
+ENGINE_RESTART_ATTEMPTS = 3  # an engine that cannot start three times in a row fails the server
 # Media up to this size travel inside the job's message; larger ones through a shared-memory segment of
 # their own. The channel carries a message of any size whole (`service.channel`), so this is a matter of
 # cost only: a segment costs the front five system calls (create, size, write, close, unlink), and a
@@ -87,7 +88,8 @@ class Engine:
                                   warm_up="service.workers.jobs:warm_up",
                                   job_timeout_s=settings.request_timeout_s + 10)
         self.limits = MediaLimits(max_tokens=settings.max_item_tokens, max_decoded_frames=settings.max_decoded_frames)
-        self.batcher = Batcher(settings, self.metrics, self.names, self._dispatched, self._engines_lost)
+        self.batcher = Batcher(settings, self.metrics, self.names, self._dispatched, self._engine_down)
+        self.engine_restarts = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inflight = 0  # requests holding a slot
         self._reserved = 0  # tokens admitted and not yet handed to an engine
@@ -96,6 +98,7 @@ class Engine:
         self._item_tokens: float | None = None  # tokens of one item, decayed mean of the estimates
         self._prepare_s: float | None = None  # seconds a worker spends on one item, decayed mean
         self.metrics.attach_pool(_MergedStats(self.backends))
+        self.metrics.attach_workers(self.workers.stats)
         self.metrics.attach_memory(self.memory)
         if len(self.backends) > 1:
             self.metrics.attach_engines(self._samples)
@@ -176,6 +179,65 @@ class Engine:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    def unavailable(self) -> str | None:
+        """Why a ready server cannot serve right now (None: it can): `/ready` says it with a 503."""
+        if not any(b.state == "ready" for b in self.backends):
+            return "no engine is running: restarting (weights loading, graphs capturing)"
+        if self.workers.live == 0:
+            return "no media worker is running: being replaced"
+        return None
+
+    # ---- engines that exit --------------------------------------------------------------------
+    def _engine_down(self, backend: Backend) -> None:
+        """An engine process exited on its own (killed, crashed): start it again, in a thread (weights
+        load, graphs are captured anew) while the other engines serve, if any. With none left, new
+        requests get 503 and `Retry-After` meanwhile, and `/ready` says why."""
+        if self.state not in ("ready", "draining"):
+            return
+        self.engine_restarts += 1
+        self.metrics.engine_restarts.inc()
+        if not any(b.state == "ready" for b in self.backends):
+            self.metrics.ready.set(0)
+        threading.Thread(target=self._restart, args=(backend,), name=f"vitserve-restart-{backend.index}",
+                         daemon=True).start()
+
+    def _restart(self, backend: Backend) -> None:
+        loop = self.loop
+        assert loop is not None
+        started = time.monotonic()
+        error = ""
+        for attempt in range(ENGINE_RESTART_ATTEMPTS):
+            if self.state not in ("ready", "draining"):
+                return
+            log.warning("engine %d: restarting (attempt %d of %d)", backend.index, attempt + 1,
+                        ENGINE_RESTART_ATTEMPTS)
+            backend.state, backend.error, backend.exitcode = "starting", None, None
+            try:
+                backend.load()
+            except Exception as exc:  # noqa: BLE001 - said, then tried again
+                error = str(exc)
+                log.error("engine %d: restart failed: %s", backend.index, error)
+                time.sleep(min(10.0, 2.0 ** attempt))
+                continue
+            try:
+                loop.call_soon_threadsafe(self._engine_back, backend, time.monotonic() - started)
+            except RuntimeError:  # the loop is closed: the server stopped meanwhile
+                backend.stop(5)
+            return
+        try:
+            loop.call_soon_threadsafe(self._engines_lost, f"engine {backend.index} could not be restarted: {error}")
+        except RuntimeError:
+            pass
+
+    def _engine_back(self, backend: Backend, seconds: float) -> None:
+        if self.state not in ("ready", "draining"):
+            backend.stop(5)
+            return
+        self.batcher.attach(backend)
+        if self.state == "ready":
+            self.metrics.ready.set(1)
+        log.warning("engine %d (%s, pid %s) is back after %.1fs", backend.index, backend.device, backend.pid, seconds)
+
     def readiness(self) -> dict[str, Any]:
         if len(self.backends) == 1:
             return {"status": "ready"}
@@ -225,6 +287,8 @@ class Engine:
     # ---- admission ---------------------------------------------------------------------------
     def check_accepting(self) -> None:
         if self.state == "ready":
+            if not any(b.state == "ready" for b in self.backends):
+                raise NotReady("no engine is running: one is restarting; retry", "restarting")
             return
         if self.state == "starting":
             raise NotReady("the server is starting: weights loading or graphs capturing", "starting")
@@ -507,6 +571,7 @@ class Engine:
                 "allowed_hosts": s.allowed_hosts,
             },
             "workers": self.workers.stats(),
+            "engine_restarts": self.engine_restarts,
             "ec_shared_storage": str(s.ec_shared_storage) if s.ec_shared_storage else None,
         }
         if self.load_error:

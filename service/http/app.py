@@ -374,6 +374,9 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
     async def ready(scope: str = "server") -> Response:
         """Ready when this front is and, with several fronts, every sibling too (`scope=front`: this one)."""
         if engine.ready:
+            problem = engine.unavailable()
+            if problem is not None:
+                return ApiError(503, "unavailable", problem, "restarting", headers={"Retry-After": "1"}).response()
             if front is None or front.count == 1 or scope == "front":
                 return JSONResponse(engine.readiness())
             answers = await ask_siblings(front, "/ready")
