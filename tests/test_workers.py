@@ -394,6 +394,21 @@ def test_an_image_s_header_is_read_once_for_its_estimate_and_its_decode(monkeypa
     assert np.array_equal(pixels, expected.pixels.reshape(-1))
 
 
+def test_a_job_whose_channel_fails_twice_fails_as_the_servers_fault() -> None:
+    """A channel that fails under the same job twice is not the item's doing: the job fails with reason
+    "channel" (the API's 503 worker_lost), not "crash" (its 422 decoder_crashed)."""
+
+    async def scenario(pool: WorkerPool) -> None:
+        owner = Owner("r")
+        with pytest.raises(WorkerDied) as died:
+            await pool.call(owner, f"{JOBS}:lose_channel")
+        assert died.value.reason == "channel" and "channel" in str(died.value)
+        assert pool.stats()["retries"] == 1 and pool.stats()["restarts_by_cause"] == {"channel": 2}
+        assert await pool.call(owner, f"{JOBS}:echo", 5) == 5
+
+    run(2, scenario)
+
+
 def test_a_job_whose_worker_is_killed_from_outside_runs_again_on_another() -> None:
     """SIGKILL from outside (the OOM killer, an operator) is not the item's fault: the job runs once more."""
 

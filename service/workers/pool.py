@@ -78,7 +78,8 @@ class JobFailed(Exception):
 
 class WorkerDied(Exception):
     """The worker running the job exited: `reason` is "memory" (over its limit), "crash" (twice: the item's
-    own fault, most likely), "deadline" (it ran past the job timeout) or "stopped"."""
+    own fault, most likely), "channel" or "unresponsive" (the second time, the server's fault: its channel
+    failed, it stopped answering), "deadline" (it ran past the job timeout) or "stopped"."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -396,7 +397,7 @@ class WorkerPool:
                            "unresponsive": "the worker processing the item stopped answering twice",
                            "deadline": "the item took longer than the job timeout",
                            "cancelled": "cancelled"}.get(reason, reason)
-                self._fail(job, WorkerDied("crash" if reason in RETRIED_CAUSES else reason, message))
+                self._fail(job, WorkerDied(reason, message))
         if not self._stopping:
             self.counters["restarts"] += 1
             self.restarts_by_cause[reason] = self.restarts_by_cause.get(reason, 0) + 1

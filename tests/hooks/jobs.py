@@ -43,6 +43,12 @@ def crash(ctx: Any) -> None:
     os._exit(3)
 
 
+def lose_channel(ctx: Any) -> None:
+    """Close this worker's end of its channel and stay alive: the front sees the channel fail."""
+    os.close(ctx._conn.fileno())
+    time.sleep(60)
+
+
 def bad_input(ctx: Any) -> None:
     raise MediaError("the item is broken", "corrupt_image")
 
