@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -109,3 +112,25 @@ def test_a_decoder_that_crashes_on_the_item_is_the_items_422(server, monkeypatch
         r = c.post("/encode", json=BODY)
     assert r.status_code == 422 and r.json()["error"]["code"] == "decoder_crashed"
     assert "error_id" not in r.json()["error"]
+
+
+def test_info_shows_a_lost_worker_and_its_replacement(server):
+    """/info's worker section counts a worker lost from outside, by cause, and shows its replacement
+    coming up; /ready stays 200 (the other worker serves), and full capacity comes back."""
+    with server.client() as c:
+        before = c.get("/info").json()["workers"]
+        assert before["states"]["idle"] == before["workers"] == 2
+        victim = server.engine.workers._workers[0].process.pid
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (now := c.get("/info").json()["workers"])["restarts"] == before["restarts"]:
+            assert time.monotonic() < deadline, now
+            time.sleep(0.02)
+        assert now["restarts_by_cause"].get("crash", 0) == before["restarts_by_cause"].get("crash", 0) + 1
+        assert now["crashed"] == before["crashed"] + 1
+        assert c.get("/ready").status_code == 200
+        while (now := c.get("/info").json()["workers"])["states"]["idle"] < 2:
+            assert time.monotonic() < deadline, now
+            time.sleep(0.02)
+        assert victim not in [w.process.pid for w in server.engine.workers._workers]
+        assert c.post("/encode", json=BODY).status_code == 200
