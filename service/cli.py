@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,10 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.nargs == 0 and action.default is False:  # a switch
             return text + " (default: off)"
         return super()._get_help_string(action) or ""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # preset and flag names hold hyphens: a line break inside one makes it unusable when copied
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def add_encode_parser(sub) -> argparse.ArgumentParser:
