@@ -107,13 +107,23 @@ class ProcessorConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path, family: str) -> ProcessorConfig:
+        """The processor configs in transformers' order: `processor_config.json`'s nested `image_processor` /
+        `video_processor` (all transformers 5's `save_pretrained` writes), else `preprocessor_config.json` /
+        `video_preprocessor_config.json`."""
         folder = Path(folder)
-        image = json.loads((folder / "preprocessor_config.json").read_text())
-        video_path = folder / "video_preprocessor_config.json"
-        video = json.loads(video_path.read_text()) if video_path.exists() else None
+        nested = _read_json(folder / "processor_config.json") or {}
+        image = nested.get("image_processor") or _read_json(folder / "preprocessor_config.json")
+        if image is None:
+            raise FileNotFoundError(f"{folder} has neither preprocessor_config.json nor a processor_config.json "
+                                    "holding an image_processor")
+        video = nested.get("video_processor") or _read_json(folder / "video_preprocessor_config.json")
         if video is None and _follows_transformers_video_processor(family):
             video = image  # transformers' video processors read preprocessor_config.json when theirs is missing
         return cls.from_dicts(family, image, video)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _follows_transformers_video_processor(family: str) -> bool:

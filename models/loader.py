@@ -130,8 +130,8 @@ def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
         vision_config = FAMILIES[family].vision_config(cfg)
     except AttributeError as exc:
         raise CheckpointError(f"{folder}/config.json has no vision config: {_one_line(exc)}") from None
-    if not (folder / "preprocessor_config.json").is_file():
-        raise CheckpointError(f"{folder}: preprocessor_config.json is missing")
+    if not any((folder / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")):
+        raise CheckpointError(f"{folder}: preprocessor_config.json is missing (nor is there a processor_config.json)")
     try:
         processor = ProcessorConfig.from_folder(folder, family)
     except (OSError, ValueError, TypeError, AttributeError) as exc:

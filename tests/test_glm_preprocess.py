@@ -270,3 +270,21 @@ def test_the_checkpoints_video_processor_class_picks_the_glm_rule() -> None:
             assert video_sampling(cfg) == rule
     assert video_sampling(ProcessorConfig.from_dicts("glm46v", image)) == "glm46v"
     assert video_sampling(ProcessorConfig.from_dicts("glm4v", image)) == "glm4v"
+
+
+def test_processor_configs_saved_by_transformers_5_are_read(tmp_path) -> None:
+    """transformers 5's processor.save_pretrained writes one processor_config.json with the image and video
+    processors nested, and no preprocessor_config.json: the server reads it, as transformers does first."""
+    import json
+
+    image = {"size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 77},
+             "image_processor_type": "Glm4vImageProcessor"}
+    video = {"size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 55}, "fps": 3,
+             "video_processor_type": "Glm46VVideoProcessor"}
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": image, "video_processor": video}))
+    cfg = ProcessorConfig.from_folder(tmp_path, "glm4v")
+    assert (cfg.max_pixels, cfg.video.max_pixels, cfg.video.fps) == (28 * 28 * 2 * 77, 28 * 28 * 2 * 55, 3.0)
+    assert cfg.video.processor_class == "Glm46VVideoProcessor"
+    (tmp_path / "processor_config.json").write_text(json.dumps({"tokenizer": {}}))
+    with pytest.raises(FileNotFoundError):
+        ProcessorConfig.from_folder(tmp_path, "glm4v")

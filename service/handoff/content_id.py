@@ -23,7 +23,7 @@ from typing import Any
 PREFIX = "vit-"
 SCHEME = "vitserve-content-id/1"
 # Checkpoint files that define the model or its preprocessing; their bytes are hashed.
-CONFIG_FILES = ("config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+CONFIG_FILES = ("config.json", "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 _CHUNK = 1 << 20
 
 
