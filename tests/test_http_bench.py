@@ -17,7 +17,8 @@ from service.bench.http_server import LOOP_STALL_KEY, check_loopback, stage_mean
 from service.cli import main
 from tests.http_helpers import QuietHandler, free_port, loopback_http_server, server_url
 
-LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "dropped_connections", "elapsed_s", "images_per_s",
+LEVEL_FIELDS = {"concurrency", "requests", "ok", "errors", "dropped_connections", "server_dropped_connections",
+                "elapsed_s", "images_per_s",
                 "p50_ms", "p90_ms", "p99_ms",
                 "mean_ms", "max_ms", "stopped_by", "client_cpu_util", "server_ms", "items_per_batch_by_engine",
                 "steady_images_per_s", "in_flight_mean", "start_late_s"}
@@ -60,6 +61,7 @@ def test_http_bench_on_cpu(tmp_path, capsys):
     for level in result["levels"]:
         assert set(level) == LEVEL_FIELDS
         assert level["errors"] == {} and level["ok"] == level["requests"] == 6 and level["stopped_by"] == "requests"
+        assert level["dropped_connections"] == 0 and level["server_dropped_connections"] == {}
         assert 0 < level["p50_ms"] <= level["p90_ms"] <= level["p99_ms"] <= level["max_ms"]
         assert level["images_per_s"] > 0
         # the server's own means over the level, from its /metrics

@@ -43,9 +43,11 @@ from service.bench.http_client import (
 from service.bench.http_server import (
     ServerProcess,
     check_loopback,
+    drops_between,
     engine_counts,
     get_json,
     items_per_batch,
+    server_drops,
     server_stage_totals,
     stage_means,
 )
@@ -184,16 +186,20 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
         for c in levels_wanted:
             before = server_stage_totals(base_url, api_key)
             engines_before = engine_counts(base_url, api_key)
+            drops_before = server_drops(base_url, api_key)
             level = run_level(base_url, bodies, c, requests_per_level, level_time_s, api_key, client=client,
                               processes=min(client_processes, c))
             level["server_ms"] = stage_means(before, server_stage_totals(base_url, api_key), level["elapsed_s"])
             level["items_per_batch_by_engine"] = items_per_batch(engines_before, engine_counts(base_url, api_key))
+            # The server's side of the level's dropped connections, by reason (its log has a line for each).
+            level["server_dropped_connections"] = drops_between(drops_before, server_drops(base_url, api_key))
             levels.append(level)
             steady = f" ({level['steady_images_per_s']} steady)" if level["steady_images_per_s"] is not None else ""
             log(f"c={c:4d}: {level['images_per_s']:9.1f} images/s{steady}  "
                 f"p50 {_ms(level['p50_ms'])} ms  p90 {_ms(level['p90_ms'])} "
                 f"ms  p99 {_ms(level['p99_ms'])} ms  errors {sum(level['errors'].values())} "
-                f"(dropped connections {level['dropped_connections']}; {level['stopped_by']}); "
+                f"(dropped connections {level['dropped_connections']}, server: {level['server_dropped_connections']}; "
+                f"{level['stopped_by']}); "
                 f"in flight {level['in_flight_mean']} (clients late {level['start_late_s']} s); "
                 f"server means {level['server_ms']}")
         out = {"format": fmt, "cache": cache, "workload": workload, "levels": levels,

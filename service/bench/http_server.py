@@ -153,6 +153,23 @@ def server_metrics(base_url: str, api_key: str | None = None) -> list[Any]:
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
+def server_drops(base_url: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's count of connections it closed, or saw closed, without an answer to a request, by
+    reason (`vitserve_connections_dropped_total`), summed over its fronts."""
+    out: dict[str, float] = {}
+    for sample in server_metrics(base_url, api_key):
+        if sample.name == "vitserve_connections_dropped_total":
+            reason = sample.labels.get("reason", "")
+            out[reason] = out.get(reason, 0.0) + sample.value
+    return out
+
+
+def drops_between(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """What each reason's count grew by (reasons that did not grow left out)."""
+    grown = {reason: int(n - before.get(reason, 0.0)) for reason, n in after.items()}
+    return {reason: n for reason, n in sorted(grown.items()) if n > 0}
+
+
 def server_stage_totals(base_url: str, api_key: str | None = None) -> dict[str, tuple[float, float]]:
     """(sum, count) of each STAGES histogram from the server's /metrics, over all its fronts; {} when
     unavailable."""
