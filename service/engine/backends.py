@@ -153,6 +153,7 @@ class ProcessBackend:
                     message = ("failed", None)
                 if message[0] == "ready":
                     _, self.model, self.stats = message
+                    self.device = self.model.device  # "auto" resolved, as /info and the bench report it
                     self.state = "ready"
                     return self.model
                 self.error = message[1]
