@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.config import ProcessorConfig
-from service.media.errors import ASPECT_RATIO, INVALID_OPTION, TOO_FEW_FRAMES, UNSUPPORTED_FORMAT, MediaError
-from service.media.image_preprocess import MAX_ASPECT_RATIO, clip_smart_resize, smart_resize
+from service.media.errors import INVALID_OPTION, TOO_FEW_FRAMES, UNSUPPORTED_FORMAT, MediaError
+from service.media.image_preprocess import clip_smart_resize, smart_resize
 from service.media.rules import takes_video, video_sampling
 
 # qwen-vl-utils' FRAME_FACTOR; it is the temporal_patch_size of every Qwen-VL checkpoint.
@@ -192,35 +192,9 @@ def qwen3_smart_resize(
     min_pixels: float = 128 * 32 * 32,
     max_pixels: float = 32 * 32 * 768,
 ) -> tuple[int, int]:
-    """The Qwen3-VL video `smart_resize`: sides multiples of `factor`, with T*H*W (T rounded to
-    temporal_factor) kept within [min_pixels, max_pixels] by a common scale of H and W."""
-    if num_frames < temporal_factor:
-        raise MediaError(
-            reason=f"{num_frames} frame(s) sampled; Qwen3-VL needs at least {temporal_factor}",
-            code=TOO_FEW_FRAMES,
-        )
-    if height < factor or width < factor:
-        # Tiny frames are first scaled up so the short side reaches one factor.
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise MediaError(
-            reason=f"aspect ratio {ratio:.1f} of {width}x{height} frames is above {MAX_ASPECT_RATIO}",
-            code=ASPECT_RATIO,
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    """The Qwen3-VL video `smart_resize`: the clip arithmetic GLM's images use too, at Qwen3-VL's defaults."""
+    return clip_smart_resize(num_frames, height, width, temporal_factor=temporal_factor, factor=factor,
+                             min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def qwen3_max_pixels(
