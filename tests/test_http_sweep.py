@@ -249,12 +249,14 @@ def decoded(entry: dict[str, Any]) -> np.ndarray:
 
 def test_every_size_is_served_and_equals_the_in_process_encode(items) -> None:
     reference = Reference()
-    flags = ["--preprocess-workers", "2", "--request-timeout-s", "120", "--max-payload-bytes", str(64 * MIB),
+    flags = ["--preprocess-workers", "2", "--request-timeout-s", "60", "--max-payload-bytes", str(64 * MIB),
              "--log-level", "warning"]
     failures: list[str] = []
     with SubprocessServer(*flags) as srv, httpx.Client(base_url=srv.url, timeout=120) as client:
         def one(entry: tuple[str, str, bytes]) -> None:
             name, modality, data = entry
+            if len(failures) >= 10:  # enough to tell; the rest may each wait for the request timeout
+                return
             try:
                 r = post(client, modality, data)
             except httpx.HTTPError as exc:  # a dropped connection is a failure too
@@ -273,6 +275,6 @@ def test_every_size_is_served_and_equals_the_in_process_encode(items) -> None:
             list(pool.map(one, items))
         assert client.get("/ready").status_code == 200
         workers = client.get("/info").json()["workers"]
-    assert not failures, f"{len(failures)} of {len(items)} failed:\n" + "\n".join(failures[:40])
+    assert not failures, f"{len(failures)} of {len(items)} failed (the sweep stops at 10):\n" + "\n".join(failures[:40])
     assert workers["states"] == {"idle": 2, "busy": 0, "starting": 0, "dying": 0}, workers
     assert workers["restarts"] == 0, workers

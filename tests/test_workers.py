@@ -419,7 +419,7 @@ def test_a_job_whose_worker_is_killed_from_outside_runs_again_on_another() -> No
         first = busy_pid(pool)
         os.kill(first, 9)
         assert await task == "done"
-        assert pool.stats()["retries"] == 1 and pool.stats()["restarts_by_cause"] == {"crash": 1}
+        assert pool.stats()["retries"] == 1 and pool.stats()["restarts_by_cause"] == {"killed": 1}
         await until(lambda: pool.states() == {"idle": 2, "busy": 0, "starting": 0, "dying": 0}, 10)
 
     run(2, scenario)

@@ -43,7 +43,7 @@ OnExit = Callable[["Backend"], None]
 class Backend(Protocol):
     index: int
     device: str
-    state: str  # starting -> ready -> down (its process exited) | stopped
+    state: str  # starting -> ready -> down (its process exited) | stopped; a restart: starting -> loaded -> ready
     model: ModelInfo | None
     stats: dict[str, Any]  # the engine's last pool statistics
     pid: int | None
@@ -154,7 +154,9 @@ class ProcessBackend:
                 if message[0] == "ready":
                     _, self.model, self.stats = message
                     self.device = self.model.device  # "auto" resolved, as /info and the bench report it
-                    self.state = "ready"
+                    # Restarted: it takes batches once attached to the loop again, not before (a batch sent
+                    # on the old channel meanwhile would be lost).
+                    self.state = "ready" if self._loop is None else "loaded"
                     return self.model
                 self.error = message[1]
             if self._process.sentinel in ready or ours in ready:
@@ -193,6 +195,7 @@ class ProcessBackend:
             on_exit(self)
 
         loop.add_reader(process.sentinel, exited)
+        self.state = "ready"
 
     def submit(self, job: BatchJob) -> None:
         assert self._channel is not None

@@ -20,8 +20,10 @@ Processes also spread the work over the host's cores, which threads under one GI
   its channel fails, when it does not answer (a start past `START_TIMEOUT_S`, an idle one silent to a
   ping past `PING_TIMEOUT_S`), or when its job outlives `job_timeout_s` (its request's deadline has
   passed: cancelling it should have stopped it already). A job whose worker died of anything but its own
-  job's cost (killed from outside, a channel error, no answer) is run once more on another worker; a
-  second death fails it (`WorkerDied("crash")`: a decoder that dies twice on the same item).
+  job's cost runs again on another worker: after a crash of its own (a signal such as SIGSEGV, an exit)
+  once, so that a decoder that dies twice on the same item fails it (`WorkerDied("crash")`); after a
+  death that is not the decoder's doing: SIGKILL from outside (the OOM killer, an operator) up to
+  `MAX_TRIES` runs in all, a channel error or no answer once; then it fails with that cause.
 - Channel: the front's end of each worker's pipe is a `service.channel.Channel` (why: see there).
 - A job may ask its caller a question mid-way (`JobContext.ask`): media jobs report their estimated
   cost before decoding and wait for admission.
@@ -59,10 +61,11 @@ START_TIMEOUT_S = 60.0  # from spawn to "ready" (warm-up included; a loaded 2-co
 PING_INTERVAL_S = 5.0  # an idle worker silent this long is pinged
 PING_TIMEOUT_S = 20.0  # and killed if it stays silent this long after the ping
 CHANNEL_GRACE_S = 1.0  # a worker whose channel closed has this long to be seen exiting before it is killed
-# Why a worker was replaced, as `restarts_by_cause` counts it: "crash" (it exited on its own, or was killed
-# from outside), "memory", "cancelled" (its job's request went away), "deadline", "channel",
-# "unresponsive".
-RETRIED_CAUSES = ("crash", "channel", "unresponsive")
+# Why a worker was replaced, as `restarts_by_cause` counts it: "crash" (it exited, or died of a signal of
+# its own), "killed" (SIGKILL from outside), "memory", "cancelled" (its job's request went away),
+# "deadline", "channel", "unresponsive".
+RETRIED_CAUSES = ("crash", "killed", "channel", "unresponsive")
+MAX_TRIES = 4
 # Imported once in the fork server, so a new worker starts with them already loaded.
 PRELOAD = ["service.workers.jobs", "service.media.estimate", "service.media.image_preprocess",
            "service.media.video_preprocess"]
@@ -78,8 +81,9 @@ class JobFailed(Exception):
 
 class WorkerDied(Exception):
     """The worker running the job exited: `reason` is "memory" (over its limit), "crash" (twice: the item's
-    own fault, most likely), "channel" or "unresponsive" (the second time, the server's fault: its channel
-    failed, it stopped answering), "deadline" (it ran past the job timeout) or "stopped"."""
+    own fault, most likely), "killed", "channel" or "unresponsive" (the server's fault: killed from outside
+    every time it ran, or its channel failed or it stopped answering twice), "deadline" (it ran past the
+    job timeout) or "stopped"."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -110,6 +114,7 @@ class _Job:
     worker: _Worker | None = None
     started: float = 0.0  # time.monotonic() when its current worker took it
     tries: int = 0  # workers it was sent to
+    crashes: int = 0  # of those, how many died of a crash of their own
 
 
 @dataclass(eq=False)
@@ -369,7 +374,11 @@ class WorkerPool:
 
     def _exited(self, worker: _Worker) -> None:
         self._forget(worker)
-        reason = worker.kill_reason = worker.kill_reason or "crash"  # it takes no job from now on
+        if worker.kill_reason is None:  # it takes no job from now on
+            worker.process.join(1)
+            killed = worker.process.exitcode == -signal.SIGKILL  # no decoder sends itself that
+            worker.kill_reason = "killed" if killed else "crash"
+        reason = worker.kill_reason
         if not worker.channel.closed:
             worker.channel.read_now()  # a reply sent just before the exit still counts
         worker.process.join(1)
@@ -379,20 +388,28 @@ class WorkerPool:
         job = self._finish(worker)
         if job is not None:
             _unlink_all(job.leaves)  # whatever it got to write, no result points at it
-        if reason == "crash":
+        if reason in ("crash", "killed"):
             self.counters["crashed"] += 1
             log.warning("worker %s (pid %s) exited with code %s%s", worker.index, worker.process.pid,
                         worker.process.exitcode, f" while running {job.fn}" if job else "")
+        if job is not None and reason == "crash":
+            job.crashes += 1
         if job is not None and not job.future.done():
-            if reason in RETRIED_CAUSES and job.tries < 2 and not job.owner.cancelled and not self._stopping:
+            # A crash of its own: once more. SIGKILL from outside: up to MAX_TRIES runs in all. A channel that
+            # failed, a worker that stopped answering: once more.
+            allowed = {"crash": job.crashes < 2, "killed": job.tries < MAX_TRIES}.get(reason, job.tries < 2)
+            if reason in RETRIED_CAUSES and allowed and not job.owner.cancelled and not self._stopping:
                 # Not its own fault as far as we know (killed from outside, a channel, a hang): once more,
                 # first in its owner's line. Its segments were unlinked above, so it writes them afresh.
                 self.counters["retries"] += 1
                 log.warning("running %s again on another worker (the first one's cause: %s)", job.fn, reason)
                 self._waiting.setdefault(job.owner, deque()).appendleft(job)
             else:
+                if job.crashes >= 2:
+                    reason = "crash"
                 message = {"memory": f"the item needed more than {self._limit_text()} of memory to process",
                            "crash": "the worker processing the item crashed twice",
+                           "killed": f"the workers processing the item were killed {job.tries} times",
                            "channel": "the channel to the worker processing the item failed twice",
                            "unresponsive": "the worker processing the item stopped answering twice",
                            "deadline": "the item took longer than the job timeout",
@@ -455,6 +472,7 @@ class WorkerPool:
     def stats(self) -> dict[str, Any]:
         states = self.states()
         return {"workers": len(self._workers), "busy": states["busy"], "states": states,
+                "pids": [w.process.pid for w in self._workers if w.kill_reason is None],
                 "queued": sum(len(q) for q in self._waiting.values()), **self.counters,
                 "restarts_by_cause": dict(self.restarts_by_cause)}
 
