@@ -244,7 +244,7 @@ def test_admission_counts_estimated_tokens_before_decoding(tower):
         while len(engine.batcher._inflight) < MAX_INFLIGHT:
             await asyncio.sleep(0.01)
         queued = [asyncio.ensure_future(engine.encode(item)) for _ in range(2)]
-        while engine._reserved < 70:
+        while engine.admission.reserved < 70:
             await asyncio.sleep(0.01)
         with pytest.raises(Overloaded):  # 70 queued + 35 > 100
             await engine.encode(item)
@@ -256,7 +256,7 @@ def test_admission_counts_estimated_tokens_before_decoding(tower):
         rec.gate.set()
         for res in await asyncio.gather(*busy, *queued):
             engine.release(res)
-        return engine.workers.counters["jobs"], engine._reserved
+        return engine.workers.counters["jobs"], engine.admission.reserved
 
     jobs, reserved = run(tower, body, runner, max_queued_tokens=100, max_wait_ms=0, max_batch_items=1)
     assert reserved == 0 and jobs == MAX_INFLIGHT + 2 + 2  # one per request, the two refused ones included
@@ -313,7 +313,7 @@ def test_an_item_prepared_as_its_sibling_fails_leaves_no_pixels_or_tokens(tower)
         with pytest.raises(ItemError):
             await engine.encode(images(2))
         await asyncio.sleep(0.05)
-        return engine._reserved
+        return engine.admission.reserved
 
     assert run(tower, body) == 0
 

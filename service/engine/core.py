@@ -7,6 +7,8 @@ that cost against `--max-queued-tokens` (429 above) and lets the worker go on; t
 preprocesses into a shared-memory segment; the item joins the batcher's queue; an engine runs its batch
 and writes the item's embedding to another segment; the request gets `ItemResult`s that point there.
 The event loop owns all of it: no locks, and nothing on it waits for a decoder or a device.
+Admission (slots, the token bound, deadlines) is `service.engine.admission`; what the engine reports
+about itself, `service.engine.report`.
 
 A request that goes away (deadline, client gone, another item refused) is cancelled as a whole: its
 queued media jobs are dropped and the worker processes running them killed, its queued items never
@@ -17,18 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from models.config import ProcessorConfig
 from service import shm
+from service.engine.admission import Admission
 from service.engine.backends import Backend, make_backends
 from service.engine.batcher import Batcher, Work
+from service.engine.report import MergedStats, device_memory, engine_info, engine_samples
 from service.engine.types import (
     IMAGE_OPTIONS,
     VIDEO_OPTIONS,
@@ -38,15 +40,13 @@ from service.engine.types import (
     MediaItem,
     ModelInfo,
     NotReady,
-    Overloaded,
-    RequestRejected,
     WorkerLost,
     new_error_id,
 )
 from service.media.errors import MediaError
 from service.media.estimate import Estimate  # imported here, not by the first worker's question on the loop
 from service.media.limits import MediaLimits
-from service.metrics import EngineSample, Metrics
+from service.metrics import Metrics
 from service.settings import ServeSettings
 from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool
 
@@ -59,15 +59,6 @@ ENGINE_RESTART_ATTEMPTS = 3  # an engine that cannot start three times in a row 
 # until the worker reads it.
 INLINE_MEDIA_BYTES = 64 * 1024
 
-
-# The share of a request's time left that the work ahead of it may take at the measured rate: the rest
-# is for decoding it, encoding its response, and the rate's error (the batches ahead may run slower
-# than the last ones did). A request admitted closer to its deadline ends, more often than not, in a 504
-# after the whole wait, where a 429 at once would have told its client to come back.
-DEADLINE_SHARE = 0.8
-PREPARE_WARM_UP = 2  # items prepared before their time is trusted
-PREPARE_DECAY = 0.8  # per item
-ITEM_TOKENS_DECAY = 0.9  # per item
 
 
 class Engine:
@@ -91,17 +82,12 @@ class Engine:
         self.batcher = Batcher(settings, self.metrics, self.names, self._dispatched, self._engine_down)
         self.engine_restarts = 0
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._inflight = 0  # requests holding a slot
-        self._reserved = 0  # tokens admitted and not yet handed to an engine
-        self._prepared = 0  # items prepared by the workers
-        self._unestimated = 0  # items on their way to a worker, their tokens not known yet
-        self._item_tokens: float | None = None  # tokens of one item, decayed mean of the estimates
-        self._prepare_s: float | None = None  # seconds a worker spends on one item, decayed mean
-        self.metrics.attach_pool(_MergedStats(self.backends))
+        self.admission = Admission(settings, self.metrics, self.batcher, self.workers)
+        self.metrics.attach_pool(MergedStats(self.backends))
         self.metrics.attach_workers(self.workers.stats)
         self.metrics.attach_memory(self.memory)
         if len(self.backends) > 1:
-            self.metrics.attach_engines(self._samples)
+            self.metrics.attach_engines(lambda: engine_samples(self.batcher))
 
     @property
     def runner(self) -> Any:
@@ -259,13 +245,14 @@ class Engine:
         """Refuse new work from now on; work already admitted runs to completion."""
         if self.state in ("starting", "ready"):
             self.state = "draining"
-            log.info("draining: %d request(s) in flight, %d item(s) queued", self._inflight, len(self.batcher.queue))
+            log.info("draining: %d request(s) in flight, %d item(s) queued", self.admission.inflight,
+                     len(self.batcher.queue))
         self.metrics.ready.set(0)
 
     async def wait_idle(self, timeout: float) -> bool:
         """True once no request is in flight (False if `timeout` passed first)."""
         deadline = time.monotonic() + timeout
-        while self._inflight > 0:
+        while self.admission.inflight > 0:
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.02)
@@ -300,23 +287,13 @@ class Engine:
         if self.state not in ("ready", "draining"):
             self.check_accepting()
 
-    @contextmanager
-    def request_slot(self) -> Iterator[None]:
+    def request_slot(self) -> AbstractContextManager[None]:
         """One of `--max-concurrent-requests` slots for the request's whole life, else 429."""
-        if self._inflight >= self.settings.max_concurrent_requests:
-            raise Overloaded(f"{self._inflight} requests in flight, the limit is "
-                             f"{self.settings.max_concurrent_requests}")
-        self._inflight += 1
-        self.metrics.inflight.set(self._inflight)
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            self.metrics.inflight.set(self._inflight)
+        return self.admission.request_slot()
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self.admission.inflight
 
     @property
     def processor(self) -> ProcessorConfig:
@@ -328,65 +305,8 @@ class Engine:
     def family(self) -> str:
         return str(self.model.family or "") if self.model else ""
 
-    def _admit(self, tokens: int, request_tokens: int, deadline: float | None = None) -> None:
-        """Count an item's estimated tokens against the queue bound (before any decoding), and refuse it
-        if the work ahead of it cannot be done by its request's `deadline` (`time.monotonic()`)."""
-        limit = self.settings.queue_tokens_limit
-        if request_tokens > limit:
-            raise RequestRejected(f"the request needs {request_tokens} tokens, above the queue limit of {limit} "
-                                  "(--max-queued-tokens): send fewer or smaller items", "too_many_tokens")
-        if self._reserved + tokens > limit:
-            raise Overloaded(f"the queue holds {self._reserved} tokens; {tokens} more would pass the limit of "
-                             f"{limit}")
-        self._check_deadline(tokens, deadline)
-        self._reserved += tokens
-        self.metrics.queue_tokens.set(self._reserved)
-
-    def _check_deadline(self, tokens: int, deadline: float | None, before_workers: bool = False) -> None:
-        """429 now for work that would end in a 504: what is ahead of it takes longer than the time left
-        until `deadline` (`time.monotonic()`).
-
-        Ahead of an item: the tokens decoded and queued before it and those on the engines (the queue is
-        served in order of arrival), at the engines' measured rate. Items still being decoded are not
-        counted: a slow one (a long video) does not hold up the small items decoded after it. Ahead of
-        a request that has not reached a worker yet (`before_workers`), also the items waiting for a
-        worker, at the usual item's tokens, and the media jobs queued or running, at the measured time
-        of one over the workers. Decoding and encoding proceed side by side, so the longer of the two is
-        the least the request must wait. Nothing is refused on a guess: a measure not taken yet counts
-        for nothing (the token bound still holds). Retry-After is when a request with a fresh deadline
-        would fit, were nothing added.
-        """
-        if deadline is None:
-            return
-        waits: list[tuple[float, str]] = []
-        rate = self.batcher.rate()
-        if rate:
-            ahead = self.batcher.queued_tokens + self.batcher.outstanding_tokens
-            if before_workers and self._item_tokens is not None:  # items ahead, not yet read: the usual size
-                ahead += round(self._unestimated * self._item_tokens)
-            waits.append(((ahead + tokens) / rate, f"{ahead + tokens} tokens to encode at the measured "
-                                                   f"{rate:.0f} tokens/s"))
-        if before_workers and self._prepare_s is not None:
-            stats = self.workers.stats()
-            jobs, workers = stats["busy"] + stats["queued"], max(1, stats["workers"])
-            waits.append((jobs / workers * self._prepare_s, f"{jobs} media jobs ahead for {workers} workers at "
-                                                             f"the measured {self._prepare_s * 1000:.0f} ms each"))
-        if not waits:
-            return
-        needed, why = max(waits)
-        left = deadline - time.monotonic()
-        if needed <= left * DEADLINE_SHARE:
-            return
-        wait = max(1, math.ceil(needed - self.settings.request_timeout_s * DEADLINE_SHARE))
-        raise Overloaded(f"the server is behind: {why} take about {needed:.1f}s, and the request has "
-                         f"{max(left, 0):.1f}s left (--request-timeout-s); retry later", wait, "deadline_unreachable")
-
-    def _release(self, tokens: int) -> None:
-        self._reserved -= tokens
-        self.metrics.queue_tokens.set(self._reserved)
-
     def _dispatched(self, works: list[Work]) -> None:
-        self._release(sum(w.tokens for w in works))
+        self.admission.release(sum(w.tokens for w in works))
 
     # ---- the request path --------------------------------------------------------------------
     def new_request(self) -> Owner:
@@ -400,7 +320,7 @@ class Engine:
         all of the request's work. `deadline` (`time.monotonic()`): refused at once with 429 if the work
         ahead cannot be done by then (before any decoding), and each item again with its own tokens."""
         self._check_admitted()
-        self._check_deadline(0, deadline, before_workers=True)
+        self.admission.check_deadline(0, deadline, before_workers=True)
         request = request or self.new_request()
         started = time.monotonic()
         tally: dict[str, Any] = {"tokens": 0, "deadline": deadline}
@@ -435,7 +355,7 @@ class Engine:
             for job in jobs:  # prepared as the failure came, never queued: its pixels and tokens are ours
                 if job.done() and not job.cancelled() and job.exception() is None and id(job.result()) not in queued:
                     shm.unlink(job.result().pixels)
-                    self._release(job.result().tokens)
+                    self.admission.release(job.result().tokens)
             raise
 
     def cancel(self, request: Owner) -> None:
@@ -457,19 +377,17 @@ class Engine:
             nonlocal reserved, estimated
             if reserved:  # asked again: the job runs once more on another worker (its first one died)
                 tally["tokens"] -= reserved
-                self._release(reserved)
+                self.admission.release(reserved)
                 reserved = 0
             if not estimated:
                 estimated = True
-                self._unestimated -= 1
-                self._item_tokens = cost.tokens if self._item_tokens is None else \
-                    ITEM_TOKENS_DECAY * self._item_tokens + (1 - ITEM_TOKENS_DECAY) * cost.tokens
+                self.admission.estimated(cost.tokens)
             tally["tokens"] += cost.tokens
-            self._admit(cost.tokens, tally["tokens"], tally["deadline"])
+            self.admission.admit(cost.tokens, tally["tokens"], tally["deadline"])
             reserved = cost.tokens
             return True
 
-        self._unestimated += 1
+        self.admission.unestimated += 1
         try:
             if isinstance(source, str):
                 try:
@@ -498,20 +416,17 @@ class Engine:
                 raise EngineFailure(f"internal error {error_id}: {exc}", error_id) from None
         except BaseException:
             shm.unlink(pixels)
-            self._release(reserved)
+            self.admission.release(reserved)
             raise
         finally:
             if not estimated:
-                self._unestimated -= 1
+                self.admission.unestimated -= 1
             if isinstance(source, str):
                 shm.unlink(source)
         self.metrics.preprocess_seconds.observe(prepared.seconds)
-        self._prepared += 1
-        if self._prepared > PREPARE_WARM_UP:  # a worker's first items pay for its warm-up
-            self._prepare_s = prepared.seconds if self._prepare_s is None else \
-                PREPARE_DECAY * self._prepare_s + (1 - PREPARE_DECAY) * prepared.seconds
+        self.admission.prepared(prepared.seconds)
         tokens = prepared.num_patches // model.merge_unit
-        self._release(reserved - tokens)  # the queue counts the exact tokens from here on
+        self.admission.release(reserved - tokens)  # the queue counts the exact tokens from here on
         assert self.loop is not None
         return Work(request, item.index, item.modality, item.id, prepared.grid_thw, prepared.num_patches, tokens,
                     prepared.meta, pixels, self.loop.create_future(), prepared.seconds)
@@ -548,102 +463,14 @@ class Engine:
                 shm.unlink(r.output.segment)
 
     # ---- reporting ---------------------------------------------------------------------------
-    def _samples(self) -> list[EngineSample]:
-        return [EngineSample(str(r["gpu"]), r["state"] == "ready", r["outstanding_tokens"], r["batches"],
-                             r["items"], r["graph_hits"], r["graph_misses"]) for r in self.batcher.engine_rows()]
-
     def info(self) -> dict[str, Any]:
-        s = self.settings
-        out: dict[str, Any] = {
-            "state": self.state,
-            "model": s.model_name,
-            "model_source": s.model,
-            "eager": s.eager,
-            "limits": {
-                "max_batch_tokens": s.max_batch_tokens,
-                "max_wait_ms": s.max_wait_ms,
-                "max_queued_tokens": s.queue_tokens_limit,
-                "max_concurrent_requests": s.max_concurrent_requests,
-                "max_payload_bytes": s.max_payload_bytes,
-                "max_items_per_request": s.max_items_per_request,
-                "request_timeout_s": s.request_timeout_s,
-                "allow_url": s.allow_url,
-                "allowed_hosts": s.allowed_hosts,
-            },
-            "workers": self.workers.stats(),
-            "engine_restarts": self.engine_restarts,
-            "ec_shared_storage": str(s.ec_shared_storage) if s.ec_shared_storage else None,
-        }
-        if self.load_error:
-            out["error"] = self.load_error
-        m = self.model
-        if m is None:
-            return out
-        proc = m.processor
-        out.update({
-            "family": m.family,
-            "dtype": m.dtype_name,
-            "device": ",".join(b.device for b in self.backends),
-            "out_hidden_size": m.out_hidden_size,
-            "num_deepstack": m.num_deepstack,
-            "merge_unit": m.merge_unit,
-            "budgets": list(m.plan.budgets),
-            "max_batch_items": m.plan.max_items,
-            "t_capture": m.plan.t_capture,
-            "captured": list(m.captured),
-            "graphs": self._graphs(),
-            "capture_failures": _MergedStats(self.backends).as_dict()["capture_failures"],
-            "processor": {
-                "patch_size": proc.patch_size,
-                "merge_size": proc.merge_size,
-                "temporal_patch_size": proc.temporal_patch_size,
-                "min_pixels": proc.min_pixels,
-                "max_pixels": proc.max_pixels,
-                "video": {"fps": proc.video.fps, "min_frames": proc.video.min_frames,
-                          "max_frames": proc.video.max_frames, "min_pixels": proc.video.min_pixels,
-                          "max_pixels": proc.video.max_pixels, "total_pixels": proc.video.total_pixels},
-            },
-            "pool": _MergedStats(self.backends).as_dict(),
-            "memory": self.memory()[0] if len(self.backends) == 1 else self.memory(),
-        })
-        if len(self.backends) > 1:
-            out.update(data_parallel=len(self.backends), engines=self.batcher.engine_rows())
-        return out
-
+        """What `/info` says about the engine: its state, limits and workers, and once loaded its model,
+        graphs, pool and device memory."""
+        return engine_info(self)
 
     def memory(self) -> list[dict[str, Any] | None]:
         """Each engine's device memory, as it last reported (None on the CPU)."""
-        return [(b.stats or {}).get("memory") for b in self.backends]
-
-    def _graphs(self) -> dict[str, Any]:
-        """How the keys run: CUDA graphs (how many per engine), or fixed-shape eager forwards and why."""
-        stats = self.backends[0].stats or {}
-        return {"mode": stats.get("graph_mode", "off"), "captured": stats.get("captured_graphs", 0),
-                "keys": stats.get("graph_keys", 0), "reason": stats.get("no_graphs_reason")}
-
-
-class _MergedStats:
-    """The engines' pool statistics (`PoolStats.as_dict()`), summed; a dead engine's counts stay."""
-
-    def __init__(self, backends: list[Backend]) -> None:
-        self.backends = backends
-
-    def as_dict(self) -> dict[str, Any]:
-        snaps = [b.stats for b in self.backends if b.stats]
-        total = {k: sum(s.get(k, 0) for s in snaps) for k in
-                 ("graph_items", "eager_batches", "chunked_videos", "video_chunks", "captured_graphs", "pool_bytes")}
-        eager: Counter = Counter()
-        replays: Counter = Counter()
-        failures: dict[str, str] = {}
-        for b in self.backends:
-            eager.update(b.stats.get("eager_items", {}))
-            replays.update(b.stats.get("replays", {}))
-            prefix = f"{b.index}:" if len(self.backends) > 1 else ""
-            failures.update({f"{prefix}{k}": v for k, v in b.stats.get("capture_failures", {}).items()})
-        served = total["graph_items"] + sum(eager.values())
-        return {**total, "eager_items": dict(eager), "replays": dict(replays), "capture_failures": failures,
-                "hit_rate": round(total["graph_items"] / served, 4) if served else 0.0,
-                "capture_seconds": max((s.get("capture_seconds", 0.0) for s in snaps), default=0.0)}
+        return device_memory(self.backends)
 
 
 def _as_array(data: bytes) -> Any:

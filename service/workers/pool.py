@@ -30,29 +30,26 @@ Processes also spread the work over the host's cores, which threads under one GI
 - Warm-up: each new worker first runs `warm_up` (a "module:function" of no arguments), so the first
   request it serves does not pay for first-use initialisation.
 
-Workers ignore SIGINT (the front drains, then stops them) and exit when the front goes away.
+What runs inside a worker process is `service.workers.child`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from service.channel import Channel, ChannelClosed
-from service.shm import exit_when_orphaned, keep_freed_memory, unlink
+from service.shm import unlink
+from service.workers.child import worker_main
 
 log = logging.getLogger("vitserve.workers")
 
@@ -494,78 +491,3 @@ def resident_bytes(pid: int | None) -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
-
-
-# ---- the worker process -------------------------------------------------------------------------
-class JobContext:
-    """What a job function gets besides its arguments: a way to ask the front and wait for the answer."""
-
-    def __init__(self, conn: Connection, job_id: int) -> None:
-        self._conn, self._job_id = conn, job_id
-
-    def ask(self, question: Any) -> Any:
-        """Send `question` to the caller's `on_ask` and return its answer; raises Aborted if it refused."""
-        self._conn.send(("ask", self._job_id, question))
-        while (reply := self._conn.recv())[0] == "ping":  # sent while it thought us idle
-            self._conn.send(("pong",))
-        if reply[0] == "abort":
-            raise Aborted()
-        return reply[1]
-
-
-class Aborted(Exception):
-    """The caller refused a job's question: the job stops without a result."""
-
-
-def worker_main(conn: Connection, front_pid: int, warm_up: str | None = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    keep_freed_memory()
-    import torch
-
-    torch.set_num_threads(1)  # a worker is one core's worth of work; the pool spreads them
-    try:
-        os.nice(5)  # the event loop and the engines win the cores when they are contended
-    except OSError:
-        pass
-    parent = os.getppid()
-    # The front killed outright cannot stop us; its fork server exits with it, which re-parents us.
-    threading.Thread(target=exit_when_orphaned, args=(parent, front_pid), daemon=True).start()
-    if warm_up is not None:
-        try:
-            _resolve(warm_up)()
-        except Exception:  # noqa: BLE001 - only the speed of the first job is at stake
-            log.warning("worker warm-up %s failed", warm_up, exc_info=True)
-    # Blocking sends on this end: this process has nothing else to do while the front reads.
-    conn.send(("ready",))
-    functions: dict[str, Callable[..., Any]] = {}
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            break
-        if message[0] == "stop":
-            break
-        if message[0] == "ping":
-            conn.send(("pong",))
-            continue
-        if message[0] != "run":
-            continue  # a stale reply to an abandoned question
-        _, job_id, fn_path, args = message
-        try:
-            fn = functions.get(fn_path) or functions.setdefault(fn_path, _resolve(fn_path))
-            result = fn(JobContext(conn, job_id), *args)
-            conn.send(("done", job_id, result))
-        except Aborted:
-            conn.send(("done", job_id, None))
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
-            if getattr(exc, "client_error", False):
-                conn.send(("raised", job_id, exc))
-            else:
-                conn.send(("failed", job_id, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-    os._exit(0)
-
-
-def _resolve(path: str) -> Callable[..., Any]:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
