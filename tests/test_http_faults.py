@@ -126,7 +126,7 @@ def test_info_shows_a_lost_worker_and_its_replacement(server):
         while (now := c.get("/info").json()["workers"])["restarts"] == before["restarts"]:
             assert time.monotonic() < deadline, now
             time.sleep(0.02)
-        assert now["restarts_by_cause"].get("crash", 0) == before["restarts_by_cause"].get("crash", 0) + 1
+        assert now["restarts_by_cause"].get("killed", 0) == before["restarts_by_cause"].get("killed", 0) + 1
         assert now["crashed"] == before["crashed"] + 1
         assert c.get("/ready").status_code == 200
         while (now := c.get("/info").json()["workers"])["states"]["idle"] < 2:
