@@ -9,9 +9,7 @@ and the graph path normalises exactly like the eager one.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -104,35 +102,6 @@ class ProcessorConfig:
             max_pixels=int(max_pixels),
             video=video_cfg,
         )
-
-    @classmethod
-    def from_folder(cls, folder: str | Path, family: str) -> ProcessorConfig:
-        """The processor configs in transformers' order: `processor_config.json`'s nested `image_processor` /
-        `video_processor` (all transformers 5's `save_pretrained` writes), else `preprocessor_config.json` /
-        `video_preprocessor_config.json`."""
-        folder = Path(folder)
-        nested = _read_json(folder / "processor_config.json") or {}
-        image = nested.get("image_processor") or _read_json(folder / "preprocessor_config.json")
-        if image is None:
-            raise FileNotFoundError(f"{folder} has neither preprocessor_config.json nor a processor_config.json "
-                                    "holding an image_processor")
-        video = nested.get("video_processor") or _read_json(folder / "video_preprocessor_config.json")
-        if video is None and _follows_transformers_video_processor(family):
-            video = image  # transformers' video processors read preprocessor_config.json when theirs is missing
-        return cls.from_dicts(family, image, video)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _follows_transformers_video_processor(family: str) -> bool:
-    """Whether the family samples videos as a transformers video processor does (Qwen3-VL's, GLM's), rather
-    than as qwen-vl-utils does (Qwen2-VL's, whose defaults are VideoConfig's)."""
-    from models.families import FAMILIES  # the registry imports the towers: only when reading a folder
-
-    spec = FAMILIES.get(family)
-    return spec is not None and spec.video_sampling != "qwen2"
 
 
 @dataclass

@@ -133,7 +133,7 @@ def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
     if not any((folder / name).is_file() for name in ("preprocessor_config.json", "processor_config.json")):
         raise CheckpointError(f"{folder}: preprocessor_config.json is missing (nor is there a processor_config.json)")
     try:
-        processor = ProcessorConfig.from_folder(folder, family)
+        processor = processor_config_from_folder(folder, family)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{folder}: a preprocessor config cannot be read: {_one_line(exc)}") from None
     return family, vision_config, processor
@@ -234,3 +234,26 @@ def load_state(tower: QwenTower, tensors: dict[str, torch.Tensor], source: Path 
     if problems:
         raise CheckpointError(f"{source}: vision weights do not match the config ({' | '.join(problems)})")
     tower.load_state_dict(tensors)
+
+
+def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorConfig:
+    """The processor configs in transformers' order: `processor_config.json`'s nested `image_processor` /
+    `video_processor` (all transformers 5's `save_pretrained` writes), else `preprocessor_config.json` /
+    `video_preprocessor_config.json`."""
+    folder = Path(folder)
+    nested = _read_json(folder / "processor_config.json") or {}
+    image = nested.get("image_processor") or _read_json(folder / "preprocessor_config.json")
+    if image is None:
+        raise FileNotFoundError(f"{folder} has neither preprocessor_config.json nor a processor_config.json "
+                                "holding an image_processor")
+    video = nested.get("video_processor") or _read_json(folder / "video_preprocessor_config.json")
+    spec = FAMILIES.get(family)
+    # transformers' video processors (Qwen3-VL's, GLM's) read preprocessor_config.json when theirs is missing;
+    # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
+    if video is None and spec is not None and spec.video_sampling != "qwen2":
+        video = image
+    return ProcessorConfig.from_dicts(family, image, video)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None

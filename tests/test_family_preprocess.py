@@ -23,6 +23,7 @@ from PIL import Image
 
 from models.config import ProcessorConfig
 from models.families import FAMILIES
+from models.loader import processor_config_from_folder
 from models.presets import PRESETS
 from service.media.errors import MediaError
 from service.media.image_preprocess import preprocess_image_bytes
@@ -62,7 +63,7 @@ def family_processor(family: str, folder):
 def test_image_grids_and_pixels_equal_the_familys_processor(family: str, tmp_path) -> None:
     preset = PRESETS[PRESET_OF[family]]
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor))
-    cfg = ProcessorConfig.from_folder(tmp_path, family)
+    cfg = processor_config_from_folder(tmp_path, family)
     reference = family_processor(family, tmp_path)
     for seed, (width, height) in enumerate(SIZES):
         data = image_bytes(width, height, seed)

@@ -21,6 +21,7 @@ from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProce
 from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as ref_smart_resize
 
 from models.config import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ProcessorConfig
+from models.loader import processor_config_from_folder
 from service.media.errors import MediaError
 from service.media.image_preprocess import clip_smart_resize, preprocess_image, preprocess_image_bytes
 from service.media.video_sampling import glm_frame_indices
@@ -206,9 +207,9 @@ def test_a_missing_video_config_falls_back_to_the_image_one_as_transformers_does
 
     image = {"size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 99}, "patch_size": 14}
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(image))
-    cfg = ProcessorConfig.from_folder(tmp_path, "glm4v")
+    cfg = processor_config_from_folder(tmp_path, "glm4v")
     assert (cfg.video.min_pixels, cfg.video.max_pixels) == (12544, 28 * 28 * 2 * 99)
-    qwen2 = ProcessorConfig.from_folder(tmp_path, "qwen2_vl")  # qwen-vl-utils' own defaults stay
+    qwen2 = processor_config_from_folder(tmp_path, "qwen2_vl")  # qwen-vl-utils' own defaults stay
     assert qwen2.video.max_pixels == ProcessorConfig().video.max_pixels
 
 
@@ -282,9 +283,9 @@ def test_processor_configs_saved_by_transformers_5_are_read(tmp_path) -> None:
     video = {"size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 55}, "fps": 3,
              "video_processor_type": "Glm46VVideoProcessor"}
     (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": image, "video_processor": video}))
-    cfg = ProcessorConfig.from_folder(tmp_path, "glm4v")
+    cfg = processor_config_from_folder(tmp_path, "glm4v")
     assert (cfg.max_pixels, cfg.video.max_pixels, cfg.video.fps) == (28 * 28 * 2 * 77, 28 * 28 * 2 * 55, 3.0)
     assert cfg.video.processor_class == "Glm46VVideoProcessor"
     (tmp_path / "processor_config.json").write_text(json.dumps({"tokenizer": {}}))
     with pytest.raises(FileNotFoundError):
-        ProcessorConfig.from_folder(tmp_path, "glm4v")
+        processor_config_from_folder(tmp_path, "glm4v")
