@@ -6,17 +6,30 @@ the request path.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from service.engine.backends import Backend
 from service.engine.batcher import Batcher
+from service.engine.types import ModelInfo
 from service.metrics import EngineSample
+from service.settings import ServeSettings
+from service.workers.pool import WorkerPool
 
-if TYPE_CHECKING:
-    from service.engine.core import Engine
+
+class Reported(Protocol):
+    """What the report reads of the engine (`Engine` is one): a view, so this module needs not import it."""
+
+    settings: ServeSettings
+    backends: list[Backend]
+    batcher: Batcher
+    workers: WorkerPool
+    state: str
+    model: ModelInfo | None
+    load_error: str | None
+    engine_restarts: int
 
 
-def engine_info(engine: Engine) -> dict[str, Any]:
+def engine_info(engine: Reported) -> dict[str, Any]:
     """`Engine.info()`: state, limits and workers, and once loaded the model, graphs, pool and memory."""
     s = engine.settings
     memory = device_memory(engine.backends)
