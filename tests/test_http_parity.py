@@ -284,7 +284,7 @@ def _recording(call, calls: list[str]):
 
 
 def test_a_response_is_encoded_in_the_front_only_when_alone_small_and_not_float_lists():
-    from service.http.app import RENDER_HERE_BYTES, renders_here
+    from service.http.service import RENDER_HERE_BYTES, renders_here
 
     assert renders_here(1, "base64", 1 << 20) and renders_here(1, "safetensors", RENDER_HERE_BYTES)
     assert not renders_here(2, "base64", 1 << 20)  # another request is in flight: the loop is theirs too
@@ -293,7 +293,7 @@ def test_a_response_is_encoded_in_the_front_only_when_alone_small_and_not_float_
 
 
 def test_a_small_body_is_parsed_on_the_event_loop_and_a_large_one_on_a_parse_thread(served, monkeypatch):
-    from service.http.app import PARSE_HERE_BYTES
+    from service.http.service import PARSE_HERE_BYTES
 
     fam, srv = served
     service = srv.app.state.service

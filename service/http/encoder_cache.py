@@ -28,7 +28,7 @@ from service.http.fronts import SIBLING_TIMEOUT_S, FrontRole
 from service.http.responses import PartsResponse
 
 if TYPE_CHECKING:
-    from service.http.app import Service
+    from service.http.service import Service
 
 SAFETENSORS = "application/vnd.safetensors"
 

@@ -42,7 +42,7 @@ from service.http.parsing import Parsed, Pending, check_count, decode_media
 from service.http.schemas import OutputOptions
 
 if TYPE_CHECKING:
-    from service.http.app import Service
+    from service.http.service import Service
 
 log = logging.getLogger("vitserve.openai")
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}

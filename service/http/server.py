@@ -31,9 +31,10 @@ import uvicorn
 from graphs.budgets import BudgetError, BudgetPlan
 from models.presets import DEFAULT_MODEL
 from service.engine.core import Engine
-from service.http.app import Service, create_app
+from service.http.app import create_app
 from service.http.fronts import FrontRole, bind_unix, unix_socket_paths
 from service.http.protocol import HeadLimits, limited_protocol
+from service.http.service import Service
 from service.metrics import Metrics
 from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
 from service.settings import ServeSettings, SettingsError
