@@ -232,9 +232,9 @@ def test_memory_bound_evicts():
 def test_repeats_without_a_cache_share_one_output_until_the_response_is_encoded(where, monkeypatch):
     """vLLM's formats key items by content: a repeat shares the first one's output. An output read by one
     encoder only is retired by that encoder; a shared one stays until the response is encoded."""
-    from service.http import app
+    from service.http import service as http_service
 
-    monkeypatch.setattr(app, "renders_here", lambda *args: where == "server")  # which encoder runs
+    monkeypatch.setattr(http_service, "renders_here", lambda *args: where == "server")  # which encoder runs
     with ServerThread(settings(cache_bytes=0)) as srv, srv.client() as c:
         prefix = srv.engine.names.prefix
         for items in ([JPEG, JPEG, PNG], [PNG], [JPEG, PNG, JPEG, JPEG]):
@@ -251,9 +251,9 @@ def test_pixels_and_outputs_are_written_into_retired_files_without_mixing_answer
     """The engine retires the pixels it has read and the encoder the output it has encoded; the next writes
     take those files (service.shm.retire). Answers of different sizes, one after another, stay exact, and
     the pool holds a few files rather than one per segment written."""
-    from service.http import app
+    from service.http import service as http_service
 
-    monkeypatch.setattr(app, "renders_here", lambda *args: where == "server")
+    monkeypatch.setattr(http_service, "renders_here", lambda *args: where == "server")
     images = [JPEG, image_bytes(320, 240, seed=7, fmt="JPEG"), image_bytes(640, 448, seed=8, fmt="JPEG")]
     with ServerThread(settings(cache_bytes=0)) as srv, srv.client() as c:
         prefix = srv.engine.names.prefix
