@@ -9,7 +9,7 @@ order, so the device does one weighted gather and a graph replays it from static
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -40,17 +40,24 @@ def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.
     return np.clip(taps, 0, side - 1), weights.astype(np.float32)
 
 
-def bilinear_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int) -> dict[str, np.ndarray]:
-    """interp_idx / interp_w [patches, 4]; padding rows read entry 0 with weight 0."""
-    idx = np.zeros((cap.patches, 4), dtype=np.int64)
-    wts = np.zeros((cap.patches, 4), dtype=np.float32)
+def tap_metadata(grids: Sequence[Grid], cap: Capacity, taps: int,
+                 frame_taps_of: Callable[[int, int], tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """interp_idx / interp_w [patches, taps] from each frame's taps (`frame_taps_of(h, w)`), repeated over
+    its temporal patches; padding rows read entry 0 with weight 0."""
+    idx = np.zeros((cap.patches, taps), dtype=np.int64)
+    wts = np.zeros((cap.patches, taps), dtype=np.float32)
     offset = 0
     for t, h, w in grids:
-        frame_idx, frame_w = frame_taps(h, w, merge, side)
-        idx[offset : offset + t * h * w].reshape(t, h * w, 4)[:] = frame_idx
-        wts[offset : offset + t * h * w].reshape(t, h * w, 4)[:] = frame_w
+        frame_idx, frame_w = frame_taps_of(h, w)
+        idx[offset : offset + t * h * w].reshape(t, h * w, taps)[:] = frame_idx
+        wts[offset : offset + t * h * w].reshape(t, h * w, taps)[:] = frame_w
         offset += t * h * w
     return {"interp_idx": idx, "interp_w": wts}
+
+
+def bilinear_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int) -> dict[str, np.ndarray]:
+    """interp_idx / interp_w [patches, 4]."""
+    return tap_metadata(grids, cap, 4, lambda h, w: frame_taps(h, w, merge, side))
 
 
 def resample(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -100,16 +107,8 @@ def bicubic_frame_taps(h: int, w: int, merge: int, side: int) -> tuple[np.ndarra
 
 
 def bicubic_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int) -> dict[str, np.ndarray]:
-    """interp_idx / interp_w [patches, 16]; padding rows read entry 0 with weight 0."""
-    idx = np.zeros((cap.patches, 16), dtype=np.int64)
-    wts = np.zeros((cap.patches, 16), dtype=np.float32)
-    offset = 0
-    for t, h, w in grids:
-        frame_idx, frame_w = bicubic_frame_taps(h, w, merge, side)
-        idx[offset : offset + t * h * w].reshape(t, h * w, 16)[:] = frame_idx
-        wts[offset : offset + t * h * w].reshape(t, h * w, 16)[:] = frame_w
-        offset += t * h * w
-    return {"interp_idx": idx, "interp_w": wts}
+    """interp_idx / interp_w [patches, 16]."""
+    return tap_metadata(grids, cap, 16, lambda h, w: bicubic_frame_taps(h, w, merge, side))
 
 
 def resample_float32(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
