@@ -425,6 +425,36 @@ def test_a_job_whose_worker_is_killed_from_outside_runs_again_on_another() -> No
     run(2, scenario)
 
 
+def test_a_response_job_killed_before_its_answer_runs_again_on_its_output(tmp_path) -> None:
+    """A response job gives up (retires) the output it encodes only once its answer is sent: killed after
+    encoding but before answering, its next run still finds the output. Retiring it at once made that
+    next run fail with FileNotFoundError, a 500 under workers killed from outside."""
+    import torch
+
+    from service import shm
+    from service.engine.types import OutputRef
+
+    names = shm.SegmentNames()
+    rows = torch.randn(4, 8).to(torch.bfloat16)
+    output, response = names.next("out"), names.next("resp")
+    shm.write(output, rows.view(torch.uint8).numpy().tobytes())
+    result = {"index": 0, "modality": "image", "id": None, "grid_thw": [1, 4, 4], "num_patches": 16,
+              "num_tokens": 4, "meta": {}, "output": OutputRef(output, 4, 8, "bfloat16"), "release": True}
+
+    async def scenario(pool: WorkerPool) -> None:
+        length = await pool.call(Owner("r"), f"{JOBS}:encode_then_die_once", str(tmp_path / "died"), response,
+                                 result, "base64", "bfloat16", False, 8, "qwen2_5_vl", 2, leaves=(response,))
+        assert (tmp_path / "died").exists() and pool.stats()["restarts_by_cause"] == {"killed": 1}
+        assert length > 0 and len(shm.open_segment(response)) >= length
+        await until(lambda: not (SHM_DIR / output).exists(), 5)  # retired once the answer went
+
+    try:
+        run(2, scenario)
+    finally:
+        unlink(output)
+        unlink(response)
+
+
 @pytest.mark.parametrize("size", [1, 100 << 10, 300 << 10, 5 << 20])
 def test_messages_of_any_size_cross_both_ways_whole(size: int) -> None:
     """Above the socket buffer (about 208 KiB) a message goes in parts: none may be cut or lost, and the

@@ -151,30 +151,38 @@ def shape_view(result: dict[str, Any], hidden: int) -> ItemView:
                     torch.empty((ref.rows, ref.width), device="meta"), result.get("content_id"), result.get("uuid"))
 
 
-def item_json(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int, family: str,
-              temporal_patch_size: int) -> list[bytes]:
+def item_json(result: dict[str, Any], *args: Any) -> list[bytes]:
     """One item's JSON entry in a response, in parts (`encoders.spliced_parts`: a megabytes-long base64
-    payload is not copied into one joined body)."""
+    payload is not copied into one joined body); its output is retired once read."""
+    parts = _item_parts(result, *args)
+    _release([result])
+    return parts
+
+
+def _item_parts(result: dict[str, Any], fmt: str, dtype: str, include_deepstack: bool, hidden: int, family: str,
+                temporal_patch_size: int) -> list[bytes]:
     from service.http import encoders
 
     if fmt == "vllm_ref":  # metadata only: reading (and casting) the rows cost milliseconds for nothing
         item = shape_view(result, hidden)
     else:
         item, = views([result], hidden, encoders.DTYPES[dtype])
-    parts = encoders.spliced_parts(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
-                                                       temporal_patch_size))
-    _release([result])
-    return parts
+    return encoders.spliced_parts(encoders.item_entry(item, fmt, dtype, include_deepstack, family,
+                                                      temporal_patch_size))
 
 
 def safetensors_file(results: list[dict[str, Any]], header: dict[str, Any], hidden: int) -> bytes:
-    """Every item of a request as one safetensors body."""
+    """Every item of a request as one safetensors body; the outputs are retired once read."""
+    body = _safetensors_body(results, header, hidden)
+    _release(results)
+    return body
+
+
+def _safetensors_body(results: list[dict[str, Any]], header: dict[str, Any], hidden: int) -> bytes:
     from service.http import encoders
 
     items = views(results, hidden, encoders.DTYPES[header["dtype"]])
-    body = encoders.safetensors_body(items, **header)
-    _release(results)
-    return body
+    return encoders.safetensors_body(items, **header)
 
 
 def _release(results: list[dict[str, Any]]) -> None:
@@ -184,14 +192,19 @@ def _release(results: list[dict[str, Any]]) -> None:
             shm.retire(r["output"].segment)
 
 
-def encode_item(ctx: Any, out: str, *args: Any) -> int:
-    """`item_json` into segment `out`; returns its length in bytes."""
-    return _written(out, item_json(*args))
+def encode_item(ctx: Any, out: str, result: dict[str, Any], *args: Any) -> int:
+    """`item_json` into segment `out`; returns its length in bytes. The output is retired only once the
+    length is sent: a worker killed before then leaves it whole for the job's next run."""
+    n = _written(out, _item_parts(result, *args))
+    ctx.once_answered(lambda: _release([result]))
+    return n
 
 
-def encode_safetensors(ctx: Any, out: str, *args: Any) -> int:
-    """`safetensors_file` into segment `out`; returns its length in bytes."""
-    return _written(out, [safetensors_file(*args)])
+def encode_safetensors(ctx: Any, out: str, results: list[dict[str, Any]], *args: Any) -> int:
+    """`safetensors_file` into segment `out`; returns its length in bytes (outputs retired as above)."""
+    n = _written(out, [_safetensors_body(results, *args)])
+    ctx.once_answered(lambda: _release(results))
+    return n
 
 
 def _written(out: str, parts: list[bytes]) -> int:

@@ -220,7 +220,8 @@ class WorkerPool:
         """Run `fn` ("module:function", called as fn(ctx, *args)) in a worker for `owner`; its return value.
         Raises what the job raised if that pickles (input errors), JobFailed for other exceptions, and
         WorkerDied if its worker died and it was not run again (see the module's docstring). A job may run
-        twice: it must write nothing but its `leaves`, and `on_ask` may be asked again.
+        twice: it must write nothing but its `leaves`, change its inputs only in `ctx.once_answered`, and
+        expect `on_ask` to be asked again.
         Cancelling the awaiting task abandons the job (its worker is killed).
         `leaves`: the segments the job writes; an abandoned job's are unlinked once its worker has answered
         or exited (a worker killed a moment late may still create them). `priority`: lower goes first."""
