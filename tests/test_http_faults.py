@@ -104,6 +104,26 @@ def test_a_server_fault_is_5xx_with_an_error_id_in_one_log_line(server, monkeypa
         assert c.post("/encode", json=BODY).status_code == 200  # and the server serves on
 
 
+def test_a_bug_in_any_route_is_a_500_with_an_error_id_in_one_log_line(server, monkeypatch, caplog):
+    """Routes other than /encode (/info here) answer their own bugs the same way: the API's error shape,
+    an id, the traceback logged once under it; nothing of the bug in the body."""
+    def info() -> None:
+        raise KeyError("injected bug")
+
+    monkeypatch.setattr(server.engine, "info", info)
+    with caplog.at_level(logging.DEBUG, logger="vitserve"), server.client() as c:
+        r = c.get("/info")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("internal", "internal") and error["error_id"].startswith("err-")
+    assert "injected" not in r.text
+    lines = [rec for rec in caplog.records if error["error_id"] in rec.getMessage()]
+    assert [rec.levelno for rec in lines] == [logging.ERROR] and "KeyError" in (lines[0].exc_text or "")
+    monkeypatch.undo()
+    with server.client() as c:
+        assert c.get("/info").status_code == 200 and c.post("/encode", json=BODY).status_code == 200
+
+
 def test_a_decoder_that_crashes_on_the_item_is_the_items_422(server, monkeypatch):
     """A worker that died on its item twice ("crash", after the pool's retry): the media's fault, a 4xx."""
     workers = server.engine.workers

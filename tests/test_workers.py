@@ -307,6 +307,33 @@ def test_a_failing_warm_up_leaves_the_worker_serving() -> None:
     assert run(1, lambda pool: pool.call(Owner("w"), f"{JOBS}:echo", 5), warm_up=f"{JOBS}:broken_warm_up") == 5
 
 
+def test_workers_that_cannot_start_are_retried_ever_more_slowly_until_one_starts(monkeypatch) -> None:
+    """A worker dying before it is ready (a broken install) is replaced after a delay that doubles, so the
+    pool does not spin a core forking; once a start succeeds, the pool serves at once."""
+    from service.workers import pool as pool_module
+    from tests.hooks.jobs import FAILING_STARTS
+
+    monkeypatch.setattr(pool_module, "START_RETRY_FIRST_S", 0.2)
+    monkeypatch.setattr(pool_module, "START_RETRY_MAX_S", 1.6)
+    FAILING_STARTS.touch()
+
+    async def scenario(pool: WorkerPool) -> None:
+        await asyncio.sleep(3.0)
+        # Waits of 0.2, 0.4, 0.8, 1.6 s: at most 5 starts in 3 s, where a replacement at once after each
+        # death made 7 in 2 s on a loaded 2-core box (a start costs about 0.1-0.3 s there)
+        assert 2 <= pool.stats()["restarts"] <= 5, pool.stats()
+        assert pool.stats()["failed_starts"] == pool.stats()["restarts"]
+        assert pool.live == 0 and pool.states()["starting"] == 1
+        FAILING_STARTS.unlink()
+        assert await asyncio.wait_for(pool.call(Owner("w"), f"{JOBS}:echo", 5), 5) == 5
+        assert pool.states() == {"idle": 1, "busy": 0, "starting": 0, "dying": 0}
+
+    try:
+        run(1, scenario, warm_up=f"{JOBS}:failing_warm_up")
+    finally:
+        FAILING_STARTS.unlink(missing_ok=True)
+
+
 def test_the_engine_warms_up_its_workers() -> None:
     from service.engine.core import Engine
     from service.settings import ServeSettings

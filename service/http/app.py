@@ -23,6 +23,7 @@ from service.engine.types import NotReady
 from service.http import docs, encoder_cache, encoders, openai
 from service.http.errors import (
     ApiError,
+    FaultBarrier,
     from_engine,
     validation_error,
 )
@@ -105,6 +106,7 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
                   description="Vision encoder for Qwen2-VL, Qwen2.5-VL and Qwen3-VL: images and videos in, "
                               "merged visual tokens out (see docs/api.md).", **telemetry_options())
     app.state.service = service
+    app.add_middleware(FaultBarrier)
     docs.install_pages(app)  # /docs and /redoc without a CDN
 
     @app.exception_handler(StarletteHTTPException)

@@ -126,3 +126,34 @@ def too_large(what: str, limit: int) -> ApiError:
     return ApiError(413, "payload_too_large", f"the body {what}: the limit is {limit} bytes (--max-payload-bytes)",
                     "payload_too_large")
 
+
+
+class FaultBarrier:
+    """ASGI middleware: an exception that escapes a route before its response started becomes a 500 in the
+    API's error shape, with an error id that the one log line (with the traceback) carries too. Without
+    it a bug outside /encode (whose service answers its own faults) reached the client as a bare
+    "Internal Server Error" and the log as a traceback without an id."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception:
+            if started:  # part of the response went: the connection is all that can be closed
+                raise
+            error_id = new_error_id()
+            log.exception("%s %s failed, error id %s", scope.get("method"), scope.get("path"), error_id)
+            error = ApiError(500, "internal", f"internal error {error_id}", "internal", error_id=error_id)
+            await error.response()(scope, receive, send)

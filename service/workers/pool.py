@@ -15,8 +15,9 @@ Processes also spread the work over the host's cores, which threads under one GI
   A killed worker is replaced at once (forked from a preloaded server process: milliseconds).
 - Memory: a worker whose resident memory passes `memory_limit` while it runs a job is killed, and the
   job fails with `WorkerDied("memory")`.
-- Capacity heals itself: every worker is starting (a replacement warming up), idle, busy or dying
-  (killed, not yet reaped), and each one lost is replaced at once. A worker is killed and replaced when
+- Capacity heals itself: every worker is starting (a replacement warming up, or waiting to be forked
+  again after failed starts: `START_RETRY_FIRST_S`), idle, busy or dying (killed, not yet reaped), and
+  each one lost is replaced at once. A worker is killed and replaced when
   its channel fails, when it does not answer (a start past `START_TIMEOUT_S`, an idle one silent to a
   ping past `PING_TIMEOUT_S`), or when its job outlives `job_timeout_s` (its request's deadline has
   passed: cancelling it should have stopped it already). A job whose worker died of anything but its own
@@ -58,6 +59,11 @@ START_TIMEOUT_S = 60.0  # from spawn to "ready" (warm-up included; a loaded 2-co
 PING_INTERVAL_S = 5.0  # an idle worker silent this long is pinged
 PING_TIMEOUT_S = 20.0  # and killed if it stays silent this long after the ping
 CHANNEL_GRACE_S = 1.0  # a worker whose channel closed has this long to be seen exiting before it is killed
+# A worker that fails before it is ready (a broken install, a start that cannot succeed) is replaced after a
+# delay that doubles with each such death in a row, from the first to the last, and resets once one starts:
+# a pool that cannot start spins no core, and one that can comes back within the last delay.
+START_RETRY_FIRST_S = 0.25
+START_RETRY_MAX_S = 30.0
 # Why a worker was replaced, as `restarts_by_cause` counts it: "crash" (it exited, or died of a signal of
 # its own), "killed" (SIGKILL from outside), "memory", "cancelled" (its job's request went away),
 # "deadline", "channel", "unresponsive".
@@ -160,7 +166,9 @@ class WorkerPool:
         self._stopping = False
         self._watch_handle: asyncio.TimerHandle | None = None
         self.counters = {"jobs": 0, "killed_cancelled": 0, "killed_memory": 0, "crashed": 0, "restarts": 0,
-                         "retries": 0}
+                         "retries": 0, "failed_starts": 0}
+        self._failed_starts = 0  # in a row, since a worker last became ready
+        self._respawns: list[asyncio.TimerHandle] = []  # replacements waiting out their delay
         self.restarts_by_cause: dict[str, int] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -191,6 +199,9 @@ class WorkerPool:
         self._stopping = True
         if self._watch_handle is not None:
             self._watch_handle.cancel()
+        for handle in self._respawns:
+            handle.cancel()
+        self._respawns.clear()
         for owner in list(self._waiting):
             self.cancel(owner)
         for worker in list(self._workers):
@@ -307,6 +318,7 @@ class WorkerPool:
         if kind == "ready":
             if not worker.ready and worker.kill_reason is None:
                 worker.ready = True
+                self._failed_starts = 0
                 self._idle.append(worker)
                 self._dispatch()
             return
@@ -416,8 +428,30 @@ class WorkerPool:
         if not self._stopping:
             self.counters["restarts"] += 1
             self.restarts_by_cause[reason] = self.restarts_by_cause.get(reason, 0) + 1
-            self._spawn()
-            self._dispatch()
+            if worker.ready or reason == "killed":  # killed from outside: no sign that a start would fail
+                self._spawn()
+                self._dispatch()
+            else:
+                self._respawn_later(worker)
+
+    def _respawn_later(self, worker: _Worker) -> None:
+        """Replace a worker that died before it was ready once the current start delay has passed."""
+        assert self.loop is not None
+        self.counters["failed_starts"] += 1
+        delay = min(START_RETRY_MAX_S, START_RETRY_FIRST_S * 2 ** self._failed_starts)
+        self._failed_starts += 1
+        log.warning("worker %s (pid %s) died before it was ready (exit code %s), %d time(s) in a row: the next "
+                    "start in %.2gs", worker.index, worker.process.pid, worker.process.exitcode, self._failed_starts,
+                    delay)
+
+        def respawn() -> None:
+            self._respawns.remove(handle)
+            if not self._stopping:
+                self._spawn()
+                self._dispatch()
+
+        handle = self.loop.call_later(delay, respawn)
+        self._respawns.append(handle)
 
     def _limit_text(self) -> str:
         return f"{self.memory_limit / 2**20:.0f} MiB" if self.memory_limit else "the limit"
@@ -460,6 +494,7 @@ class WorkerPool:
         out = dict.fromkeys(("idle", "busy", "starting", "dying"), 0)
         for w in self._workers:
             out[w.state] += 1
+        out["starting"] += len(self._respawns)
         return out
 
     @property

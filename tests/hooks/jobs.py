@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from service.media.errors import MediaError
@@ -103,11 +105,19 @@ def broken_warm_up() -> None:
     raise RuntimeError("warm-up failed on purpose")
 
 
+FAILING_STARTS = Path(tempfile.gettempdir()) / "vitserve-test-failing-starts"
+
+
+def failing_warm_up() -> None:
+    """Exit before the worker is ready while `FAILING_STARTS` exists: a start that cannot succeed."""
+    if FAILING_STARTS.exists():
+        os._exit(7)
+
+
 def encode_then_die_once(ctx: Any, marker: str, *args: Any) -> int:
     """`jobs.encode_item`, then, on the first run only (no `marker` file yet), SIGKILL before its answer
     is sent: the window in which a job's worker dies with its work done."""
     import signal
-    from pathlib import Path
 
     from service.workers import jobs
 
