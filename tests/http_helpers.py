@@ -160,8 +160,9 @@ class SubprocessServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> SubprocessServer:
+        # A session of its own: `terminate(group=True)` signals its processes and not the tests'.
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
         wait_ready(self.url, proc=self.proc)
         return self
 
@@ -170,9 +171,14 @@ class SubprocessServer:
         proc = subprocess.run(self.cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         return proc.returncode, proc.stdout + proc.stderr
 
-    def terminate(self) -> None:
+    def terminate(self, group: bool = False) -> None:
+        """SIGTERM to the server, or to each of its processes (`group`: what systemd's default stop, an init
+        that forwards to the group, or `pkill` do)."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        else:
+            self.proc.send_signal(signal.SIGTERM)
 
     def wait(self, timeout: float = 60) -> tuple[int, str]:
         assert self.proc is not None

@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.http_helpers import SubprocessServer, b64, image_bytes
 
@@ -22,12 +23,17 @@ def in_flight(url: str) -> float:
     return 0.0
 
 
-def test_sigterm_drains_without_losing_accepted_requests():
+@pytest.mark.parametrize("group", [False, True], ids=["server", "every-process"])
+def test_sigterm_drains_without_losing_accepted_requests(group: bool):
+    """SIGTERM to the server drains it. So does SIGTERM to each of its processes (engine processes with
+    --data-parallel 2, media workers): they leave it to the server to stop them once drained, where an
+    engine that died at once failed the accepted requests and was restarted in the middle of the drain."""
     env = {"VITSERVE_MAX_WAIT_MS": "0",
            "VITSERVE_SERVED_MODEL_NAME": "from-env", "VITSERVE_MAX_ITEMS_PER_REQUEST": "7"}
+    engines = ["--data-parallel", "2"] if group else []
     # No --model: the embedded default preset, announced in the log.
-    with SubprocessServer("--max-items-per-request", "5", "--max-batch-items", "2", env=env, model=None,
-                          batch_delay_ms=400) as srv, \
+    with SubprocessServer("--max-items-per-request", "5", "--max-batch-items", "2", *engines, env=env, model=None,
+                          batch_delay_ms=1500 if group else 400) as srv, \
             ThreadPoolExecutor(IN_FLIGHT) as pool:
         info = httpx.get(srv.url + "/info", timeout=5).json()
         assert info["model"] == "from-env" and info["model_source"] == "tiny-qwen2-vl"  # name from the environment
@@ -37,7 +43,7 @@ def test_sigterm_drains_without_losing_accepted_requests():
         while in_flight(srv.url) < IN_FLIGHT:
             assert time.monotonic() < deadline, "requests never got in flight"
             time.sleep(0.02)
-        srv.terminate()
+        srv.terminate(group)
         # Draining: not ready, new work refused, while the accepted requests still run.
         deadline = time.monotonic() + 5
         while (ready := httpx.get(srv.url + "/ready", timeout=5)).status_code != 503:

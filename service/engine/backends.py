@@ -209,8 +209,8 @@ class ProcessBackend:
         process = self._process
         if process is None:
             return
-        if self.state == "starting":  # still loading: it would read "stop" only once loaded
-            process.terminate()
+        if self.state == "starting":  # still loading: it would read "stop" only once loaded (and ignores SIGTERM)
+            process.kill()
         elif self._channel is not None:
             try:
                 self._channel.send(("stop",))
@@ -224,10 +224,7 @@ class ProcessBackend:
                 pass
         process.join(timeout)
         if process.is_alive():
-            log.warning("engine %d did not stop in time: terminating it", self.index)
-            process.terminate()
-            process.join(5)
-        if process.is_alive():
+            log.warning("engine %d did not stop in time: killing it", self.index)
             process.kill()
             process.join(5)
         if self._loop is not None:
@@ -272,7 +269,10 @@ def _on_cpu(device: str) -> bool:
 # ---- the engine process ---------------------------------------------------------------------------
 def engine_main(index: int, settings: ServeSettings, conn: Connection, parent: int, threads: int) -> None:
     """Entry point of engine process `index`: load, report, then run jobs until told to stop."""
+    # The server stops its engines once it has drained (or exits, and `exit_when_orphaned` follows): a
+    # Ctrl-C or a SIGTERM sent to every process (systemd's stop, `pkill`) must not end one first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     level = logging.DEBUG if settings.log_level == "trace" else getattr(logging, settings.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     threading.Thread(target=exit_when_orphaned, args=(parent,), name="vitserve-parent-watch", daemon=True).start()

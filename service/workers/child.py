@@ -1,7 +1,7 @@
 """The worker process's side of `service.workers.pool`: the loop a worker runs (warm up, say "ready", then
 run jobs one at a time and answer pings) and the `JobContext` through which a job asks its caller a
-question mid-way. Workers ignore SIGINT (the front drains, then stops them) and exit when the front goes
-away.
+question mid-way. Workers ignore SIGINT and SIGTERM (the front drains, then stops them) and exit when the
+front goes away.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Aborted(Exception):
 
 def worker_main(conn: Connection, front_pid: int, warm_up: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     keep_freed_memory()
     import torch
 

@@ -175,6 +175,7 @@ class WorkerPool:
     def start(self) -> None:
         """Start the workers; call from the event loop that will drive them."""
         self.loop = asyncio.get_running_loop()
+        _start_fork_server()
         for _ in range(self.size):
             self._spawn()
         self._watch_handle = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
@@ -508,6 +509,22 @@ class WorkerPool:
                 "pids": [w.process.pid for w in self._workers if w.kill_reason is None],
                 "queued": sum(len(q) for q in self._waiting.values()), **self.counters,
                 "restarts_by_cause": dict(self.restarts_by_cause)}
+
+
+def _start_fork_server() -> None:
+    """Start the fork server with SIGTERM ignored, which it keeps across its exec: a SIGTERM sent to every
+    process of the server (systemd's stop, `pkill`) would end it, and with it every worker, mid-drain."""
+    from multiprocessing import forkserver
+
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: it cannot be set here, and the fork server starts as it is
+        forkserver.ensure_running()
+        return
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _unlink_all(names: tuple[str, ...]) -> None:
