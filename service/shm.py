@@ -20,8 +20,10 @@ import itertools
 import math
 import mmap
 import os
+import queue
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -120,18 +122,22 @@ def retire(name: str) -> None:
     try:
         size = os.stat(path).st_size
         if RECYCLED_MIN_BYTES <= size <= POOL_BYTES:
-            pool = pool_of(name)
-            entries = sorted(os.listdir(pool), key=lambda e: _pooled_field(e, 1))
-            total = sum(map(_pooled_size, entries))
-            while entries and (len(entries) >= POOL_FILES or total + size > POOL_BYTES):
-                oldest = entries.pop(0)
-                total -= _pooled_size(oldest)
-                _unlink_path(pool / oldest)
-            os.rename(path, pool / f"{size}_{time.time_ns()}_{secrets.token_hex(6)}")
+            _into_pool(path, pool_of(name), size)
             return
     except OSError:  # gone already, no pool (closed, or names not from SegmentNames)
         pass
     unlink(name)
+
+
+def _into_pool(path: Path, pool: Path, size: int) -> None:
+    """Rename the file at `path` into `pool` as a file of `size` bytes, its oldest files making room."""
+    entries = sorted(os.listdir(pool), key=lambda e: _pooled_field(e, 1))
+    total = sum(map(_pooled_size, entries))
+    while entries and (len(entries) >= POOL_FILES or total + size > POOL_BYTES):
+        oldest = entries.pop(0)
+        total -= _pooled_size(oldest)
+        _unlink_path(pool / oldest)
+    os.rename(path, pool / f"{size}_{time.time_ns()}_{secrets.token_hex(6)}")
 
 
 def _unlink_path(path: Path) -> None:
@@ -242,6 +248,66 @@ def _empty_pool(name: str) -> bool:
     for entry in entries:
         _unlink_path(pool / entry)
     return bool(entries)
+
+
+STOCK_DEPTH = 2  # files of one size written ahead
+STOCK_MAX_BYTES = 16 << 20
+
+
+class Stocker:
+    """Keeps `STOCK_DEPTH` files of a wanted size written ahead in a front's pool, from a thread of its
+    own. A writer whose segments are kept finds nothing retired to reuse (the encoder-output cache holds
+    an engine's outputs until it is full), and a fresh file's page faults fall on the request's path: an
+    output of 1.8 MB took 0.7 ms to write fresh against 0.33 ms into a written file (2-core dev box; 1.32
+    against 0.21 ms on the H200 host)."""
+
+    def __init__(self) -> None:
+        self._wanted: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._names = itertools.count()
+        self.made = 0
+
+    def want(self, like: str, size: int) -> None:
+        """Files of `size` bytes for the pool of segment `like`, soon; returns at once."""
+        if not RECYCLED_MIN_BYTES <= size <= STOCK_MAX_BYTES:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="vitserve-shm-stock", daemon=True)
+            self._thread.start()
+        self._wanted.put((like, size))
+
+    def _run(self) -> None:
+        while True:
+            wanted = self._wanted.get()
+            while not self._wanted.empty():  # behind: only the latest wish counts
+                wanted = self._wanted.get()
+            try:
+                self._fill(*wanted)
+            except OSError:  # no pool (closed, or not opened), or /dev/shm full: writes go to fresh files
+                pass
+
+    def _fill(self, like: str, size: int) -> None:
+        pool = pool_of(like)
+        slack = int(size * FIT)
+        have = sum(size - slack <= _pooled_size(e) <= size + slack for e in os.listdir(pool))
+        for _ in range(STOCK_DEPTH - have):
+            # Written inside the pool under size 0, which no write takes, then renamed to its size: no
+            # segment of the front's is ever seen outside its pool.
+            making = pool / f"0_{time.time_ns()}_{os.getpid()}x{next(self._names)}"
+            fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                zeros = memoryview(bytes(size))
+                done = 0
+                while done < size:  # written, not only reserved: a reserved page still faults on first write
+                    done += os.pwrite(fd, zeros[done:], done)
+                _into_pool(making, pool, size)
+            except BaseException:
+                _unlink_path(making)
+                raise
+            finally:
+                os.close(fd)
+            self.made += 1
 
 
 def write_array(name: str, arr: np.ndarray) -> None:

@@ -153,6 +153,37 @@ def test_a_write_takes_the_closest_fit_within_an_eighth_of_its_size_and_small_on
         shm.unlink(name)
 
 
+def test_the_stocker_writes_files_ahead_that_the_next_writes_of_that_size_take(names):
+    """An engine's outputs kept by the cache never retire, so every output paid for a fresh file: the
+    stocker keeps two files of the size written ahead in the pool, never visible outside it, and a write
+    of that size takes one of them."""
+    stocker = shm.Stocker()
+    size = 1_835_008
+    first = names.next("out")
+    shm.write(first, b"x" * size)  # fresh: the pool is empty
+    stocker.want(first, size)
+    deadline = time.monotonic() + 5
+    while sorted(_pooled(names).values()) != [size, size]:
+        assert time.monotonic() < deadline, _pooled(names)
+        assert not [e for e in os.listdir(shm.SHM_DIR) if e.startswith(names.prefix + "stock")]
+        time.sleep(0.005)
+    stocked = set(_pooled(names))
+    second = names.next("out")
+    data = os.urandom(size)
+    shm.write(second, data)
+    assert _inode(second) in stocked and bytes(shm.open_segment(second)) == data
+    stocker.want(second, size)  # one left: one more made
+    while len(_pooled(names)) != 2:
+        assert time.monotonic() < deadline, _pooled(names)
+        time.sleep(0.005)
+    stocker.want(second, size)  # two there: none made
+    stocker.want(second, 1000)  # too small to pool: none made
+    time.sleep(0.2)
+    assert stocker.made == 3 and len(_pooled(names)) == 2
+    for name in (first, second):
+        shm.unlink(name)
+
+
 def test_the_pool_is_bounded_and_closed_pools_unlink(names, monkeypatch):
     monkeypatch.setattr(shm, "POOL_BYTES", 1_000_000)
     written = [names.next("out") for _ in range(4)]

@@ -11,7 +11,8 @@ own shared-memory segment.
   batch has left the device ("free": the front may stage another behind the one now running), then
   writes every item's rows into its output segment and replies ("done").
 The front keeps at most `batcher.MAX_INFLIGHT` batches per engine on the device, so the next is staged
-while one runs; writing a batch's outputs (a fresh segment per item) does not hold a slot.
+while one runs; writing a batch's outputs (a segment per item: a file of the pool's, retired or written
+ahead by `shm.Stocker`, else a fresh one) does not hold a slot.
 The same loop runs in an engine process (the GPU; `backends.ProcessBackend`) and in a thread of the
 server (the CPU; `backends.LocalBackend`).
 """
@@ -57,6 +58,7 @@ class BatchExecutor:
         self.gpu_memory = gpu_memory
         self._memory: tuple[float, dict | None] = (0.0, None)
         self._last_done: torch.cuda.Event | None = None  # the previous batch's end on the device
+        self._stock = shm.Stocker()
 
     def stats(self) -> dict:
         """The pool's counters, and the device memory (read at most once a second: NVML is not free)."""
@@ -139,6 +141,11 @@ class BatchExecutor:
             raise
         done = time.perf_counter()
         running.steps["write"] = done - started
+        if len(running.job.items) == 1 and written:
+            # A batch of one: light load, where the next output of this size may find no retired file
+            # (the cache keeps them) and would pay for a fresh one's pages. Under load, batches are
+            # larger and retirements feed the pool.
+            self._stock.want(written[0], len(part))
         return done - running.started
 
 
