@@ -265,6 +265,8 @@ def test_pixels_and_outputs_are_written_into_retired_files_without_mixing_answer
         for k in range(12):
             np.testing.assert_array_equal(embedding(images[k % 3]), first[k % 3])
         sizes = [int(p.split("_")[0]) for p in os.listdir(shm.SHM_DIR / (prefix + shm.POOL))]
-        assert 2 <= len(sizes) <= 6, sizes  # pixels and outputs of the three sizes, taken again and again
+        # pixels and outputs of the three sizes, taken again and again, and a spare of each output's
+        # (shm.Stocker: the requests come one at a time)
+        assert 2 <= len(sizes) <= 9, sizes
         assert shm_entries(prefix, pools=False) == []
     assert shm_entries(prefix) == []  # the pool goes with the server

@@ -155,32 +155,33 @@ def test_a_write_takes_the_closest_fit_within_an_eighth_of_its_size_and_small_on
 
 def test_the_stocker_writes_files_ahead_that_the_next_writes_of_that_size_take(names):
     """An engine's outputs kept by the cache never retire, so every output paid for a fresh file: the
-    stocker keeps two files of the size written ahead in the pool, never visible outside it, and a write
-    of that size takes one of them."""
+    stocker keeps a file of the size written ahead in the pool, never seen outside it, and the next
+    write of that size takes it."""
+    assert shm.STOCK_DEPTH == 1
     stocker = shm.Stocker()
     size = 1_835_008
-    first = names.next("out")
-    shm.write(first, b"x" * size)  # fresh: the pool is empty
-    stocker.want(first, size)
+    written = [names.next("out")]
+    shm.write(written[0], b"x" * size)  # fresh: the pool is empty
     deadline = time.monotonic() + 5
-    while sorted(_pooled(names).values()) != [size, size]:
-        assert time.monotonic() < deadline, _pooled(names)
-        assert not [e for e in os.listdir(shm.SHM_DIR) if e.startswith(names.prefix + "stock")]
-        time.sleep(0.005)
-    stocked = set(_pooled(names))
-    second = names.next("out")
-    data = os.urandom(size)
-    shm.write(second, data)
-    assert _inode(second) in stocked and bytes(shm.open_segment(second)) == data
-    stocker.want(second, size)  # one left: one more made
-    while len(_pooled(names)) != 2:
-        assert time.monotonic() < deadline, _pooled(names)
-        time.sleep(0.005)
-    stocker.want(second, size)  # two there: none made
-    stocker.want(second, 1000)  # too small to pool: none made
+    for _ in range(3):
+        stocker.want(written[-1], size)
+        while list(_pooled(names).values()) != [size]:
+            assert time.monotonic() < deadline, _pooled(names)
+            assert all(e.startswith(shm.POOL, len(names.prefix)) for e in os.listdir(shm.SHM_DIR)
+                       if e.startswith(names.prefix) and e not in written)
+            time.sleep(0.005)
+        stocked = set(_pooled(names))
+        written.append(names.next("out"))
+        data = os.urandom(size)
+        shm.write(written[-1], data)
+        assert _inode(written[-1]) in stocked and bytes(shm.open_segment(written[-1])) == data
+        assert _pooled(names) == {}
+    shm.retire(written.pop())  # a file of the size in the pool: none made
+    stocker.want(written[-1], size)
+    stocker.want(written[-1], 1000)  # too small to pool: none made
     time.sleep(0.2)
-    assert stocker.made == 3 and len(_pooled(names)) == 2
-    for name in (first, second):
+    assert stocker.made == 3 and len(_pooled(names)) == 1
+    for name in written:
         shm.unlink(name)
 
 
