@@ -67,6 +67,12 @@ class Family:
     video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
+    # The seconds each temporal grid step spans, in vLLM 0.33's M-RoPE for video embeddings: its parser takes
+    # `second_per_grid_ts` with them (`video_second_per_grid`: the Omni thinkers); without the field, or
+    # where the parser drops it (Qwen2.5-VL), the position code assumes `vllm_video_seconds`. None: vLLM's
+    # positions for the family take no time from the part.
+    video_second_per_grid: bool = False
+    vllm_video_seconds: float | None = None
     # transformers' image processor class whose output the server reproduces (the reference in tests)
     image_processor: str = "Qwen2VLImageProcessor"
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes

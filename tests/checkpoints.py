@@ -64,7 +64,20 @@ VLLM_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_
                        "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"]
 # (vision start, vision end, image pad, video pad) in each family's prompts, where not Qwen's
 VLLM_MEDIA_TOKENS = {"exaone4_5": ("<vision>", "</vision>", "<|image_pad|>", "<|video_pad|>"),
-                     "cohere_compass": ("<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>")}
+                     "cohere_compass": ("<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"),
+                     "qwen2_5_omni": ("<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>")}
+# The Omni processors read their media tokens from the tokenizer's named special tokens (vLLM sizes
+# placeholders by `processor.image_token` / `video_token`), audio ones included: the released names.
+VLLM_OMNI_TOKENS = {
+    "qwen2_5_omni": {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
+                     "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                     "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"},
+    "qwen3_omni_moe": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+                       "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+                       "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"},
+}
+VLLM_SPECIAL_TOKENS += sorted({t for named in VLLM_OMNI_TOKENS.values() for t in named.values()}
+                              - set(VLLM_SPECIAL_TOKENS))
 # The Qwen-VL chat layout reduced to what placeholders need: media parts become vision_start, one pad
 # token, vision_end; vLLM's processor expands the pad to the item's tokens.
 VLLM_CHAT_TEMPLATE = (
@@ -82,12 +95,18 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
     model's config (text hidden size = the tower's output size, as in the released models, so vLLM's
     embedding checks and Qwen3-VL's DeepStack split apply), the preprocessor configs, and a byte-level
     tokenizer (256 byte tokens plus the Qwen-VL special tokens) with a chat template. No weights: vLLM
-    builds its model with dummy ones."""
+    builds its model with dummy ones.
+
+    The Omni models' thinker processor in vLLM loads an audio feature extractor too (its data parser reads the
+    extractor's sampling rate) and takes its media tokens from the tokenizer's named special tokens: their
+    folder adds those (`write_omni_processor`, `VLLM_OMNI_TOKENS`), and their config is the whole model's
+    whose thinker holds the tower, the tiny text model and a tiny audio encoder."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[preset_name]
+    omni = VLLM_OMNI_TOKENS.get(preset.family)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -99,9 +118,11 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
         preset.family, ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
     template = (VLLM_CHAT_TEMPLATE.replace("<|vision_start|>", start).replace("<|vision_end|>", end)
                 .replace("<|image_pad|>", image_pad).replace("<|video_pad|>", video_pad))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "model_max_length": 8192, "chat_template": template}))
+    tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                        "model_max_length": 8192, "chat_template": template}
+    if omni:
+        tokenizer_config["extra_special_tokens"] = omni
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
 
     out_hidden = preset.vision.get("out_hidden_size", preset.vision.get("hidden_size"))
     text: dict = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -124,19 +145,60 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
         text.update(model_type="exaone4", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if preset.family == "cohere_compass":  # rotary parameters per layer type
         text.update(layer_types=["full_attention"], rope_parameters={"full_attention": rope})
-    cfg = AutoConfig.for_model(
-        preset.family, vision_config=preset.vision, text_config=text,
-        image_token_id=ids[image_pad], video_token_id=ids[video_pad],
-        vision_start_token_id=ids[start], vision_end_token_id=ids[end],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-    )
+    media = dict(image_token_id=ids[image_pad], video_token_id=ids[video_pad],
+                 vision_start_token_id=ids[start], vision_end_token_id=ids[end])
+    if omni:
+        audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=80,
+                     output_dim=out_hidden, n_window=4, max_source_positions=64)
+        vision = dict(preset.vision)
+        rate: dict = {}
+        if preset.family == "qwen3_omni_moe":  # read by vLLM's tower, kept in the released config.json
+            side = int(vision["num_position_embeddings"] ** 0.5)
+            vision.update(image_size=side * vision["patch_size"], apply_vit_abs_pos_embed=True)
+            rate["position_id_per_seconds"] = OMNI_POSITIONS_PER_SECOND[preset.family]
+        else:
+            vision["tokens_per_second"] = OMNI_POSITIONS_PER_SECOND[preset.family]
+        thinker = dict(vision_config=vision, text_config=text, audio_config=audio, **rate,
+                       audio_token_id=ids[omni["audio_token"]], audio_start_token_id=ids[omni["audio_bos_token"]],
+                       audio_end_token_id=ids[omni["audio_eos_token"]], **media)
+        if preset.family == "qwen2_5_omni":  # its thinker config keeps the *_token_index names
+            thinker.update({f"{k}_token_index": thinker.pop(f"{k}_token_id") for k in ("image", "video", "audio")})
+        cfg = AutoConfig.for_model(preset.family, enable_audio_output=False, thinker_config=thinker,
+                                   im_end_token_id=ids["<|im_end|>"])
+    else:
+        cfg = AutoConfig.for_model(preset.family, vision_config=preset.vision, text_config=text,
+                                   bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], **media)
     if preset.family == "cohere_compass":
         cfg.tie_word_embeddings = True  # as released; vLLM's model asserts it
     cfg.architectures = [CLASSES[preset.family]]
     cfg.save_pretrained(folder)
+    if omni:
+        write_omni_processor(preset, folder)
+        return folder
     # the processor classes named as the releases name them (not every model_type is in the auto maps)
     image = {"image_processor_type": FAMILIES[preset.family].image_processor, **preset.preprocessor}
     (folder / "preprocessor_config.json").write_text(json.dumps(image))
     if preset.video_preprocessor:
         (folder / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
     return folder
+
+
+# M-RoPE positions per second of video in the Omni thinkers' configs (Qwen2.5-Omni: the vision config's
+# `tokens_per_second`; Qwen3-Omni: the thinker's `position_id_per_seconds`), written explicitly so that tests
+# know how far apart vLLM places temporal steps of known seconds.
+OMNI_POSITIONS_PER_SECOND = {"qwen2_5_omni": 25, "qwen3_omni_moe": 13}
+OMNI_PROCESSORS = {"qwen2_5_omni": "Qwen2_5OmniProcessor", "qwen3_omni_moe": "Qwen3OmniMoeProcessor"}
+
+
+def write_omni_processor(preset, folder: Path) -> None:
+    """The Omni processors' files as the releases ship them: one preprocessor_config.json holding the image
+    processor's settings and the audio feature extractor's (transformers' WhisperFeatureExtractor with its
+    default arguments), and the video processor's (Qwen2-VL's in both releases) beside it."""
+    from transformers import WhisperFeatureExtractor
+
+    processor = OMNI_PROCESSORS[preset.family]
+    audio = WhisperFeatureExtractor().to_dict()
+    image = {"image_processor_type": FAMILIES[preset.family].image_processor, **preset.preprocessor}
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", **(preset.video_preprocessor or preset.preprocessor)}
+    (folder / "preprocessor_config.json").write_text(json.dumps({**audio, **image, "processor_class": processor}))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps({**video, "processor_class": processor}))

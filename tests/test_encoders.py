@@ -94,6 +94,36 @@ def test_vllm_ref_parts():
         assert ("warnings" in video) == (family == "qwen2_5_vl")
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni_moe", "qwen3_omni_moe_thinker"])
+@pytest.mark.parametrize("fmt", ["vllm", "vllm_ref"])
+def test_omni_video_parts_carry_their_seconds_per_step(family, fmt):
+    """vLLM's Omni thinkers keep `second_per_grid_ts` with video embeddings (a JSON list of one float) and
+    M-RoPE reads it; images carry only the grid, no video carries timestamps, and nothing needs a warning."""
+    img = result(item_id="im-1")
+    vid = result(1, modality="video", item_id="v-1", meta={"frame_indices": [0, 2, 4], "video_fps": 2.0,
+                                                           "second_per_grid_ts": 2.0, "fps": 1.0})
+    body = json.loads(json_body([img, vid], request_id="x", model="m", fmt=fmt, dtype="float32",
+                                include_deepstack=False, family=family))
+    image, video = body["data"]
+    assert set(image["content_part"]["image_embeds"]) <= {"image_embeds", "image_grid_thw"}
+    fields = video["content_part"]["video_embeds"]
+    assert fields["second_per_grid_ts"] == [2.0] and "timestamps" not in fields
+    assert "warnings" not in image and "warnings" not in video
+
+
+def test_omni_video_without_seconds_gets_vllm_default_and_a_warning():
+    """A video whose sampler gave no seconds per step (never from this server's sampler) still carries
+    the field, vLLM's own default, so that every video part of a request has the same fields; the entry
+    says so."""
+    vid = result(1, modality="video", item_id="v-1", meta={})
+    for family, default in [("qwen2_5_omni", 1.0), ("qwen3_omni_moe", 2.0)]:
+        body = json.loads(json_body([vid], request_id="x", model="m", fmt="vllm_ref", dtype="float32",
+                                    include_deepstack=False, family=family))
+        (video,) = body["data"]
+        assert video["content_part"]["video_embeds"]["second_per_grid_ts"] == [default]
+        assert "second_per_grid_ts" in video["warnings"][0]
+
+
 def test_json_body_and_video_fields():
     meta = {"timestamps": np.array([0.0, 1.0]), "second_per_grid_ts": 1.0, "fps": np.float64(2.0), "frames": 4}
     results = [result(0, item_id="a"), result(1, modality="video", meta=meta, layers=1)]

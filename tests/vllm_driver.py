@@ -13,10 +13,12 @@ CPU. For each case, a chat message holding vitserve's content parts goes through
 1. the renderer: `parse_chat_messages` (content parts, per-part merging), the chat template and the model's
    multimodal processor (embedding-field checks, placeholder sizing, `get_mm_hashes`);
 2. the input processor, which turns the hashes into each item's cache identifier, and `Request`;
-3. as an encoder-cache consumer (when the case names a shared folder): `ECExampleConnector`'s lookup
+3. where the case asks, vLLM's M-RoPE positions of the prompt (the model class's
+   `get_mrope_input_positions`, which reads only the config): the temporal steps of each item;
+4. as an encoder-cache consumer (when the case names a shared folder): `ECExampleConnector`'s lookup
    (`has_cache_item`), its scheduler-side bookkeeping and the worker-side load into an encoder cache;
    otherwise the model's `embed_multimodal` on the parts' tensors;
-4. the step of the GPU model runner that slices each item's encoder output to its placeholder
+5. the step of the GPU model runner that slices each item's encoder output to its placeholder
    (`_gather_mm_embeddings`, restated here for a whole prompt: that runner needs a GPU), then the model's
    `embed_input_ids`, which casts, splits off Qwen3-VL's DeepStack and merges into the prompt.
 
@@ -111,6 +113,22 @@ def gather(features: list[Any], encoder_cache: dict[str, torch.Tensor],
     return mm_embeds, is_mm_embed
 
 
+def mrope_positions(vllm_config: Any, request: Any) -> torch.Tensor:
+    """vLLM's M-RoPE positions [3, tokens] of the request's prompt: the model class's
+    `get_mrope_input_positions` on the request's features, as the GPU model runner calls it. That code reads
+    only the model's config, so it runs on an instance holding just the config (the Omni thinkers keep their
+    thinker config as `config`): no model needs to be built for it."""
+    from vllm.model_executor.model_loader import get_model_architecture
+
+    cls, _ = get_model_architecture(vllm_config.model_config)
+    bare = cls.__new__(cls)
+    torch.nn.Module.__init__(bare)
+    hf_config = vllm_config.model_config.hf_config
+    bare.config = getattr(hf_config, "thinker_config", hf_config)
+    positions, _ = bare.get_mrope_input_positions(request.prompt_token_ids, request.mm_features)
+    return positions
+
+
 def run_case(model: Model, case: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, Any]:
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
@@ -149,6 +167,15 @@ def run_case(model: Model, case: dict[str, Any], tensors: dict[str, torch.Tensor
         for i, f in enumerate(features)
     ]
     report["stage"] = "processed"
+    if case.get("positions"):  # the temporal M-RoPE position of each item's embedding rows, from its first
+        positions = mrope_positions(vllm_config, request)
+        for entry, f in zip(report["features"], features):
+            pos = f.mm_position
+            t = positions[0, pos.offset:pos.offset + pos.length]
+            if pos.is_embed is not None:
+                t = t[pos.is_embed]
+            entry["t_steps"] = torch.unique_consecutive(t - t[0]).tolist()
+        report["stage"] = "positioned"
 
     encoder_cache: dict[str, torch.Tensor] = {}
     if consumer is not None:

@@ -1,12 +1,13 @@
 """vLLM content parts for one item: the embeddings inline (`encoding_format: "vllm"`), or a reference to the
 shared encoder-cache folder (`"vllm_ref"`).
 
-What vLLM 0.33.0's chat parser and Qwen-VL processors take (tests/test_vllm_handoff.py feeds these parts to
-that code):
+What vLLM 0.33.0's chat parser and Qwen-VL processors take (tests/test_vllm_handoff.py and
+tests/test_vllm_handoff_families.py feed these parts to that code):
 
 - `image_embeds` / `video_embeds` parts, one per item. Tensors travel as base64 of `torch.save` and are
   loaded with `weights_only=True`; metadata may also be a JSON list of numbers. The grid is ONE item's
-  (t, h, w), shape [3]: the parser stacks the grids of several parts and concatenates their embeddings.
+  (t, h, w), shape [3]: the parser stacks the grids of several parts and concatenates their embeddings
+  (every part of a modality must carry the same fields).
 - Qwen3-VL video parts carry `timestamps`, one float per temporal grid step: the mean time of the frames
   that step merges (first and last frame of the pair; frame index / source fps), from which the prompt's
   `<t seconds>` text is built, so they size the placeholder. Qwen2-VL and Qwen2.5-VL parts take no other
@@ -14,6 +15,11 @@ that code):
 - Qwen2.5-VL's video embeddings reach M-RoPE without `second_per_grid_ts` (vLLM's field factory for
   embedding inputs has no such field, and the position code falls back to 1.0): exact only when the video
   was sampled at 2 fps. `warnings` says so for other rates.
+- The Omni thinkers' parser (`Qwen2_5OmniThinkerMultiModalDataParser`, Qwen3-Omni's too) takes an optional
+  `second_per_grid_ts` with video embeddings, a JSON list of one float, and M-RoPE spaces the temporal steps
+  by it; without it vLLM assumes 1.0 s (Qwen2.5-Omni) or 2.0 s (Qwen3-Omni) per step. Their parts carry
+  it; no `timestamps` (no field of theirs), nor `use_audio_in_video`: vLLM's processor sets that from the
+  request's processor kwargs (False by default; vitserve hands off frames only).
 - A reference part (`"vllm_ref"`) holds only the metadata and the `uuid`; an LLM server that consumes the
   shared-storage encoder cache (`ECExampleConnector`, role `ec_consumer`) accepts it without the tensor
   and loads `<path>/<uuid>/encoder_cache.safetensors` instead: it never decodes nor resizes the media.
@@ -47,6 +53,24 @@ def takes_timestamps(family: str) -> bool:
     return family in FAMILIES and FAMILIES[family].video_timestamps
 
 
+def takes_seconds_per_step(family: str) -> bool:
+    """The Omni thinkers' video embedding fields take `second_per_grid_ts`, which vLLM's M-RoPE reads
+    (models/families/)."""
+    from models.families import FAMILIES
+
+    return family in FAMILIES and FAMILIES[family].video_second_per_grid
+
+
+def seconds_per_step(meta: dict[str, Any]) -> float | None:
+    """The seconds one temporal grid step spans (temporal patch / sampling rate), as the sampler said."""
+    seconds = meta.get("second_per_grid_ts")
+    if hasattr(seconds, "tolist"):  # numpy and torch values
+        seconds = seconds.tolist()
+    if isinstance(seconds, (list, tuple)):
+        seconds = seconds[0] if len(seconds) == 1 else None
+    return None if seconds is None else float(seconds)
+
+
 def grid_timestamps(meta: dict[str, Any], temporal_patch_size: int) -> list[float] | None:
     """Seconds of each temporal grid step, as vLLM and transformers compute them for Qwen3-VL: the sampled
     frame indices padded with the last one to a multiple of the temporal patch, divided by the source
@@ -65,14 +89,26 @@ def part_uuid(r: ItemView) -> str | None:
     return r.uuid or r.id
 
 
-def _timestamps(modality: str, grid_thw: tuple[int, int, int], meta: dict[str, Any], index: int, family: str,
-                temporal_patch_size: int) -> dict[str, list[float]]:
-    if modality != "video" or not takes_timestamps(family):
+def _video_fields(modality: str, grid_thw: tuple[int, int, int], meta: dict[str, Any], index: int, family: str,
+                  temporal_patch_size: int) -> dict[str, list[float]]:
+    """What vLLM reads with a video embedding besides the grid: Qwen3-VL's timestamps, which it requires,
+    or the Omni thinkers' seconds per temporal step (vLLM's own default where the sampler gave none, so
+    that every video part of a request has the same fields; `warnings` says so)."""
+    if modality != "video":
         return {}
-    stamps = grid_timestamps(meta, temporal_patch_size)
-    if stamps is None or len(stamps) != grid_thw[0]:
-        raise ValueError(f"item {index}: no timestamps for each of its {grid_thw[0]} temporal steps")
-    return {"timestamps": stamps}
+    if takes_timestamps(family):
+        stamps = grid_timestamps(meta, temporal_patch_size)
+        if stamps is None or len(stamps) != grid_thw[0]:
+            raise ValueError(f"item {index}: no timestamps for each of its {grid_thw[0]} temporal steps")
+        return {"timestamps": stamps}
+    if takes_seconds_per_step(family):
+        from models.families import FAMILIES
+
+        seconds = seconds_per_step(meta)
+        if seconds is None:
+            seconds = FAMILIES[family].vllm_video_seconds
+        return {} if seconds is None else {"second_per_grid_ts": [seconds]}
+    return {}
 
 
 def embeds_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[str, Any]:
@@ -82,7 +118,7 @@ def embeds_part(r: ItemView, family: str, temporal_patch_size: int = 2) -> dict[
     payload: dict[str, Any] = {
         f"{kind}_embeds": torch_b64(r.joined),
         f"{kind}_grid_thw": torch_b64(torch.tensor(r.grid_thw, dtype=torch.int64)),
-        **_timestamps(r.modality, r.grid_thw, r.meta, r.index, family, temporal_patch_size),
+        **_video_fields(r.modality, r.grid_thw, r.meta, r.index, family, temporal_patch_size),
     }
     part: dict[str, Any] = {"type": f"{kind}_embeds", f"{kind}_embeds": payload}
     uuid = part_uuid(r)
@@ -109,7 +145,8 @@ def takes_embedding_parts(family: str) -> bool:
 
 def reference_part(modality: str, grid_thw: tuple[int, int, int], meta: dict[str, Any], uuid: str, family: str,
                    temporal_patch_size: int = 2, index: int = 0) -> dict[str, Any]:
-    """vLLM 0.33's metadata-only part for one item: the grid (and Qwen3-VL video's timestamps) and the uuid.
+    """vLLM 0.33's metadata-only part for one item: the grid (and Qwen3-VL video's timestamps, the Omni
+    thinkers' seconds per temporal step) and the uuid.
 
     For a family whose vLLM processor takes no embedding parts (GLM-4.1V), a media part naming only the
     uuid: the client's own `image_url` / `video_url` goes with it (`handed_off`), vLLM's processor sizes
@@ -118,7 +155,7 @@ def reference_part(modality: str, grid_thw: tuple[int, int, int], meta: dict[str
     if not takes_embedding_parts(family):
         return {"type": f"{modality}_url", "uuid": uuid}
     payload: dict[str, Any] = {f"{modality}_grid_thw": list(grid_thw),
-                               **_timestamps(modality, grid_thw, meta, index, family, temporal_patch_size)}
+                               **_video_fields(modality, grid_thw, meta, index, family, temporal_patch_size)}
     return {"type": f"{modality}_embeds", f"{modality}_embeds": payload, "uuid": uuid}
 
 
@@ -142,12 +179,24 @@ def warnings(r: ItemView, family: str, fmt: str = "vllm_ref") -> list[str]:
         return [f"vLLM 0.33's processor for {family} takes no {r.modality}_embeds parts (it reads them as media and "
                 "fails): hand this item off with encoding_format vllm_ref, its media part and this uuid, to vLLM "
                 "as an encoder-cache consumer"]
-    if r.modality != "video" or family != "qwen2_5_vl":
+    if r.modality != "video":
         return []
-    seconds = r.meta.get("second_per_grid_ts")
-    if seconds is None or abs(float(seconds) - 1.0) < 1e-6:
-        return []
-    return [f"vLLM drops second_per_grid_ts for video embeddings and uses 1.0 in Qwen2.5-VL's M-RoPE; this video "
-            f"has {float(seconds):g} s per temporal step (sampled at {float(r.meta.get('fps') or 0):g} fps), so "
-            "its temporal positions there are off by that factor: sample at 2 fps for exact positions"]
+    from models.families import FAMILIES
 
+    spec = FAMILIES.get(family)
+    if spec is None or spec.vllm_video_seconds is None:
+        return []
+    assumed = spec.vllm_video_seconds
+    seconds = seconds_per_step(r.meta)
+    if spec.video_second_per_grid:  # the part carries the seconds vitserve sampled at
+        if seconds is not None:
+            return []
+        return [f"this video's seconds per temporal step are not known here: its part carries vLLM's default "
+                f"second_per_grid_ts, {assumed:.1f} s, for {spec.title}'s M-RoPE, which may not be how it was sampled"]
+    if seconds is None or abs(seconds - assumed) < 1e-6:
+        return []
+    fps = float(r.meta.get("fps") or 0)
+    exact = f"sample at {fps * seconds / assumed:g} fps" if fps else f"sample at {assumed:g} s per temporal step"
+    return [f"vLLM drops second_per_grid_ts for video embeddings and uses {assumed:.1f} in {spec.title}'s M-RoPE; this "
+            f"video has {seconds:g} s per temporal step (sampled at {fps:g} fps), so its temporal positions there "
+            f"are off by that factor: {exact} for exact positions"]
