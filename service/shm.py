@@ -72,8 +72,12 @@ class SegmentNames:
         self.pool.mkdir(mode=0o700, exist_ok=True)
 
     def close_pool(self) -> None:
-        """Free the retired files; later retirements unlink. Call once no process retires or writes."""
-        shutil.rmtree(self.pool, ignore_errors=True)
+        """Free the retired files; later retirements unlink. Call once no process retires or writes (a
+        `Stocker` finishing a file as the folder goes is removed by the next pass)."""
+        for _ in range(3):
+            shutil.rmtree(self.pool, ignore_errors=True)
+            if not self.pool.exists():
+                return
 
 
 # Map every page at once: a segment is read whole right after it is mapped, and one populate costs far
