@@ -11,17 +11,14 @@ stub LLM server). About 40 s on two cores.
 from __future__ import annotations
 
 import base64
-import json
-import os
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load, load_file
 
 from tests.checkpoints import write_vllm_model_folder
-from tests.http_helpers import ROOT, ServerThread, image_bytes, loopback_http_server, server_url, settings
-from tests.test_vllm_handoff import HOW, Recorder, vllm_python
+from tests.http_helpers import ServerThread, image_bytes, loopback_http_server, server_url, settings
+from tests.test_vllm_handoff import Recorder, run_driver, vllm_python
 from tests.videos import make_video
 
 MODEL = "tiny-qwen3-vl"
@@ -36,7 +33,7 @@ def data_url(data: bytes, mime: str) -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    python = vllm_python()
+    vllm_python()  # skips here, before any server starts, where vLLM's environment is not configured
     work = tmp_path_factory.mktemp("vllm-connector")
     with loopback_http_server(Recorder) as llm, \
             ServerThread(settings(model=MODEL, cache_bytes=64 << 20, api_key="secret",
@@ -66,13 +63,7 @@ def run(tmp_path_factory):
         request = {"model_dir": str(write_vllm_model_folder(MODEL, work / MODEL)),
                    "extra": {"url": srv.url, "api_key": "secret"}, "chats": chats,
                    "tensors_out": str(work / "out.safetensors")}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-        env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", PYTHONPATH=str(ROOT))
-        proc = subprocess.run([python, str(ROOT / "tests" / "vllm_connector_driver.py")], input=json.dumps(request),
-                              text=True, capture_output=True, timeout=600, cwd=work, env=env)
-        if proc.returncode != 0 or not proc.stdout.strip():
-            pytest.fail(f"the connector's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
-        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        report = run_driver("vllm_connector_driver.py", request, work, import_vitserve=True, timeout=600)
     return {"parts": parts, "served": served, "forwarded": forwarded, "report": report,
             "tensors": load_file(request["tensors_out"])}
 

@@ -56,6 +56,20 @@ def vllm_python() -> str:
     return python
 
 
+def run_driver(driver: str, request: dict[str, Any], work: Path, import_vitserve: bool = False,
+               timeout: float = 900) -> dict[str, Any]:
+    """`tests/<driver>` in vLLM's environment on `request` (JSON on stdin); its report (the last line of its
+    output). vLLM on the CPU, offline, two threads; vitserve importable only where the driver needs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2",
+               PYTHONPATH=str(ROOT) if import_vitserve else "")
+    proc = subprocess.run([vllm_python(), str(ROOT / "tests" / driver)], input=json.dumps(request), text=True,
+                          capture_output=True, timeout=timeout, cwd=work, env=env)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        pytest.fail(f"{driver} failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def items(options: dict[str, Any] | None = None, ids: list[str] | None = None) -> list[dict[str, Any]]:
     out = []
     for k, (kind, data) in enumerate(MEDIA):
@@ -103,7 +117,7 @@ def reference(entry: dict[str, Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Run:
-    python = vllm_python()
+    vllm_python()  # skips here, before any server starts, where vLLM's environment is not configured
     store = tmp_path_factory.mktemp("ec")  # one folder for all three models: content ids keep them apart
     work = tmp_path_factory.mktemp("vllm")
     http: dict[str, dict[str, Any]] = {}
@@ -153,13 +167,7 @@ def run(tmp_path_factory) -> Run:
         folder = write_vllm_model_folder(name, work / name)
         request["models"].append({"name": name, "dir": str(folder), "dtype": "bfloat16", "cases": cases})
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", PYTHONPATH="")
-    proc = subprocess.run([python, str(ROOT / "tests" / "vllm_driver.py")], input=json.dumps(request), text=True,
-                          capture_output=True, timeout=900, cwd=work, env=env)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        pytest.fail(f"vLLM's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_driver("vllm_driver.py", request, work)
     return Run(http, report["cases"], load_file(request["tensors_out"]), store, (report["vllm"], report["torch"]))
 
 

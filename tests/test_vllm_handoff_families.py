@@ -19,8 +19,6 @@ Qwen3-Omni).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 import torch
@@ -29,8 +27,8 @@ from safetensors.torch import load_file
 from models.families import FAMILIES
 from models.presets import PRESETS
 from tests.checkpoints import OMNI_POSITIONS_PER_SECOND, write_vllm_model_folder
-from tests.http_helpers import ROOT, ServerThread, settings
-from tests.test_vllm_handoff import HOW, IMAGES, LONG_VIDEO, VIDEO, VLLM_DTYPE, post, reference, vllm_python
+from tests.http_helpers import ServerThread, settings
+from tests.test_vllm_handoff import IMAGES, LONG_VIDEO, VIDEO, VLLM_DTYPE, post, reference, run_driver, vllm_python
 
 # preset -> whether vLLM's model is built on the CPU here: for Qwen3-VL-MoE, Qwen3.5(-MoE) and Qwen3-Omni its
 # text part does not build from these tiny configs (no unquantized MoE backend on the CPU for the MoE ones),
@@ -63,7 +61,7 @@ def items(name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    python = vllm_python()
+    vllm_python()  # skips here, before any server starts, where vLLM's environment is not configured
     store = tmp_path_factory.mktemp("ec")
     work = tmp_path_factory.mktemp("vllm")
     http: dict = {}
@@ -90,13 +88,7 @@ def run(tmp_path_factory):
                           "positions": True})
         folder = write_vllm_model_folder(name, work / name)
         request["models"].append({"name": name, "dir": str(folder), "dtype": "bfloat16", "cases": cases})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", PYTHONPATH="")
-    proc = subprocess.run([python, str(ROOT / "tests" / "vllm_driver.py")], input=json.dumps(request), text=True,
-                          capture_output=True, timeout=900, cwd=work, env=env)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        pytest.fail(f"vLLM's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_driver("vllm_driver.py", request, work)
     return http, report["cases"], load_file(request["tensors_out"])
 
 

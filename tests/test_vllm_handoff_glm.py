@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +19,8 @@ from safetensors.torch import load_file
 from models.families import FAMILIES
 from models.presets import PRESETS
 from service.handoff import sidecar
-from tests.http_helpers import ROOT, ServerThread, image_bytes, settings
-from tests.test_vllm_handoff import HOW, VLLM_DTYPE, reference, vllm_python
+from tests.http_helpers import ServerThread, image_bytes, settings
+from tests.test_vllm_handoff import VLLM_DTYPE, reference, run_driver, vllm_python
 from tests.videos import make_video
 
 MODELS = ["tiny-glm4v", "tiny-glm-ocr"]
@@ -96,7 +94,7 @@ def media_parts() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict[str, Any]:
-    python = vllm_python()
+    vllm_python()  # skips here, before any server starts, where vLLM's environment is not configured
     store = tmp_path_factory.mktemp("ec")
     work = tmp_path_factory.mktemp("vllm")
     http: dict[str, Any] = {}
@@ -120,13 +118,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
         ]
         folder = write_vllm_glm_folder(work / name, name)
         request["models"].append({"name": name, "dir": str(folder), "dtype": "bfloat16", "cases": cases})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-    env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2", PYTHONPATH="")
-    proc = subprocess.run([python, str(ROOT / "tests" / "vllm_driver.py")], input=json.dumps(request), text=True,
-                          capture_output=True, timeout=900, cwd=work, env=env)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        pytest.fail(f"vLLM's driver failed (exit {proc.returncode}); {HOW}\n{proc.stderr[-6000:]}")
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_driver("vllm_driver.py", request, work)
     return {"http": http, "chat": chats, "cases": report["cases"], "tensors": load_file(request["tensors_out"])}
 
 
