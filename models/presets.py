@@ -172,3 +172,9 @@ def full_config(preset: Preset):
     return AutoConfig.for_model(
         preset.family, vision_config=preset.vision, text_config=text, bos_token_id=None, eos_token_id=None
     )
+
+# What `vitserve bench` runs by default, and the other families' presets it names in its help (`--models`
+# takes any `random:` preset above).
+BENCH_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
+BENCH_FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b",
+                       "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]

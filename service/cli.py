@@ -49,6 +49,25 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    """The `serve` subcommand; the server's modules load only when it runs (`vitserve --help` stays quick)."""
+    from service.settings import add_serve_arguments
+
+    p = sub.add_parser("serve", help="run the HTTP server",
+                       description="Serve POST /encode. Every flag can also be set with "
+                                   "VITSERVE_<FLAG_IN_UPPER_SNAKE>; the flag wins.")
+    add_serve_arguments(p)
+    p.set_defaults(func=serve_from_args)
+    return p
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """`vitserve serve`: the server (service/http/server.py), imported now."""
+    from service.http.server import run_from_args
+
+    return run_from_args(args)
+
+
 def add_encode_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("encode", help="encode local images/videos into a safetensors file",
                        formatter_class=DefaultsHelpFormatter,
@@ -210,13 +229,13 @@ def _progress(total: int):
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
-    from service.bench.towers import DEFAULT_MODELS, FAMILY_MODELS
+    from models.presets import BENCH_FAMILY_MODELS, BENCH_MODELS
 
     p = sub.add_parser("bench", help="engine vs transformers side by side on one GPU",
                        description="Graphs on, graphs off and transformers eager on the same inputs, "
                                    "with the floor and MFU; writes bench.json and bench.png.")
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma list of presets; also {', '.join(FAMILY_MODELS)}")
+    p.add_argument("--models", default=",".join(BENCH_MODELS),
+                   help=f"comma list of presets; also {', '.join(BENCH_FAMILY_MODELS)}")
     p.add_argument("--workloads", default="", help="comma list (default: all)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -280,8 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--log-level", default="warning", help="logging level for encode and bench")
     sub = parser.add_subparsers(dest="command", required=True)
-    from service.http.server import add_serve_parser
-
     commands = {"serve": add_serve_parser(sub), "encode": add_encode_parser(sub), "bench": add_bench_parser(sub)}
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage, not the top level's: that is where the flag was looked for

@@ -21,7 +21,7 @@ END = "<!-- flags: end -->"
 
 def serve_parser() -> argparse.ArgumentParser:
     """The parser `vitserve serve` uses (the same function builds it)."""
-    from service.http.server import add_serve_parser
+    from service.cli import add_serve_parser
 
     top = argparse.ArgumentParser(prog="vitserve")
     return add_serve_parser(top.add_subparsers())

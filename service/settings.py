@@ -8,6 +8,7 @@ mean the same thing and a bad value fails at start-up with the variable named.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -361,3 +362,30 @@ def _describe(exc: ValidationError, origin: dict[str, str]) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{where}: {msg}" if field else msg)
     return "invalid settings: " + "; ".join(lines)
+
+
+# ---- the `serve` flags: one per setting ---------------------------------------------------------
+def serve_flags() -> list[tuple[str, dict[str, Any]]]:
+    """(flag, argparse keyword arguments) of every setting: the flag is the field's name in kebab case, its
+    help the field's description."""
+    out = []
+    for name in ServeSettings.flag_fields():
+        field = ServeSettings.model_fields[name]
+        kind = field.annotation
+        kwargs: dict[str, Any] = {"help": field.description}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind in (int, int | None):
+            kwargs["type"] = int
+        elif kind in (float, float | None):
+            kwargs["type"] = float
+        out.append(("--" + name.replace("_", "-"), kwargs))
+    return out
+
+
+FLAGS = serve_flags()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kwargs in FLAGS:
+        parser.add_argument(flag, default=None, **kwargs)

@@ -135,6 +135,19 @@ def test_an_unknown_flag_shows_the_subcommands_usage():
     assert done.returncode == 2 and "usage: vitserve serve" in done.stderr
 
 
+def test_help_and_bad_flags_answer_without_loading_torch():
+    """`vitserve --help`, a subcommand's help and a flag error read no model code: they took about 5 s on the
+    dev box, importing torch through the model package and the server, and now take about 0.5 s."""
+    probe = ("import sys\nfrom service.cli import main\n"
+             "for argv in (['--help'], ['serve', '--help'], ['bench', '--help'], ['encode', '--frobnicate', 'x']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'graphs')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert "--max-batch-tokens" in done.stdout and "random:qwen3.5-27b" in done.stdout
+
+
 def test_the_http_bench_summary_on_the_cpu_prints_no_none_and_no_verdict(capsys):
     """A CPU server's figures check the plumbing: the GPU targets are not judged, missing figures left out."""
     level = {"concurrency": 1, "requests": 6, "images_per_s": 3.1, "steady_images_per_s": None, "p50_ms": 310.0,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from service.http.server import add_serve_parser
+from service.cli import add_serve_parser
 from tests.http_helpers import ROOT, ServerThread, settings
 
 DOCS = [ROOT / "docs" / "api.md", ROOT / "README.md"]

@@ -53,7 +53,7 @@ def test_the_docs_and_help_name_the_same_flags_with_the_same_words(capsys: pytes
 def serve_args(argv: list[str]):
     import argparse
 
-    from service.http.server import add_serve_parser
+    from service.cli import add_serve_parser
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())

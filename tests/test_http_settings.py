@@ -8,11 +8,12 @@ import os
 
 import pytest
 
+from service.cli import add_serve_parser
 from service.http.errors import ApiError
 from service.http.parsing import decode_media
-from service.http.server import FLAGS, add_serve_parser, main, settings_from_args
+from service.http.server import main, settings_from_args
 from service.media.sniff import sniff_modality
-from service.settings import ServeSettings, SettingsError
+from service.settings import FLAGS, ServeSettings, SettingsError
 from tests.http_helpers import image_bytes
 from tests.videos import make_video
 
@@ -40,7 +41,7 @@ def test_every_flag_exists_and_maps_to_a_setting_and_variable():
         assert field in ServeSettings.model_fields, flag
         assert ServeSettings.env_name(field) == "VITSERVE_" + flag.upper().replace("-", "_")
     args = parse([])
-    assert args.func.__name__ == "run_from_args"
+    assert args.func.__name__ == "serve_from_args"  # the server, loaded when it runs
 
 
 def test_flag_beats_variable_beats_default(monkeypatch):

@@ -24,10 +24,6 @@ from models import VisualInput, kernels, load_tower
 from models.presets import PRESETS, full_config
 
 log = logging.getLogger("vitserve.bench")
-DEFAULT_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
-# The other families' presets (`--models` takes any `random:` preset of models/presets.py).
-FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b", "random:qwen2.5-omni-7b",
-                 "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]
 
 
 def workloads(patch: int, seed: int = 0) -> dict[str, list[tuple[int, int, int]]]:

@@ -37,47 +37,10 @@ from service.http.protocol import HeadLimits, limited_protocol
 from service.http.service import Service
 from service.metrics import Metrics
 from service.preflight import EXIT_FAILED, EXIT_SETTINGS, StartupError, preflight
-from service.settings import ServeSettings, SettingsError
+from service.settings import ServeSettings, SettingsError, add_serve_arguments
 from service.shm import exit_when_orphaned, keep_freed_memory
 
 log = logging.getLogger("vitserve.server")
-
-def serve_flags() -> list[tuple[str, dict[str, Any]]]:
-    """(flag, argparse keyword arguments) of every setting (service/settings.py is their one definition):
-    the flag is the field's name in kebab case, its help the field's description."""
-    out = []
-    for name in ServeSettings.flag_fields():
-        field = ServeSettings.model_fields[name]
-        kind = field.annotation
-        kwargs: dict[str, Any] = {"help": field.description}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif kind in (int, int | None):
-            kwargs["type"] = int
-        elif kind in (float, float | None):
-            kwargs["type"] = float
-        out.append(("--" + name.replace("_", "-"), kwargs))
-    return out
-
-
-FLAGS = serve_flags()
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, kwargs in FLAGS:
-        parser.add_argument(flag, default=None, **kwargs)
-
-
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """The `serve` subcommand for `vitserve`'s argparse subparsers; runs through `args.func(args)`."""
-    parser = subparsers.add_parser(
-        "serve", help="run the HTTP server",
-        description="Serve POST /encode. Every flag can also be set with VITSERVE_<FLAG_IN_UPPER_SNAKE>; "
-                    "the flag wins.")
-    add_serve_arguments(parser)
-    parser.set_defaults(func=run_from_args)
-    return parser
-
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     flags = {name: getattr(args, name, None) for name in ServeSettings.model_fields}
