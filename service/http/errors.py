@@ -127,7 +127,6 @@ def too_large(what: str, limit: int) -> ApiError:
                     "payload_too_large")
 
 
-
 class FaultBarrier:
     """ASGI middleware: an exception that escapes a route before its response started becomes a 500 in the
     API's error shape, with an error id that the one log line (with the traceback) carries too. Without

@@ -26,12 +26,12 @@ class JobContext:
 
     def __init__(self, conn: Connection, job_id: int) -> None:
         self._conn, self._job_id = conn, job_id
-        self.after_reply: list[Callable[[], None]] = []
+        self._after_reply: list[Callable[[], None]] = []
 
     def once_answered(self, action: Callable[[], None]) -> None:
         """Run `action` after the job's result is sent. A job may run again if its worker dies before
         the result arrives, so what would spoil a second run (giving up an input) waits until then."""
-        self.after_reply.append(action)
+        self._after_reply.append(action)
 
     def ask(self, question: Any) -> Any:
         """Send `question` to the caller's `on_ask` and return its answer; raises Aborted if it refused."""
@@ -87,7 +87,7 @@ def worker_main(conn: Connection, front_pid: int, warm_up: str | None = None) ->
             fn = functions.get(fn_path) or functions.setdefault(fn_path, _resolve(fn_path))
             result = fn(ctx, *args)
             conn.send(("done", job_id, result))
-            for action in ctx.after_reply:
+            for action in ctx._after_reply:
                 action()
         except Aborted:
             conn.send(("done", job_id, None))

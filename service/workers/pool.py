@@ -60,8 +60,8 @@ PING_INTERVAL_S = 5.0  # an idle worker silent this long is pinged
 PING_TIMEOUT_S = 20.0  # and killed if it stays silent this long after the ping
 CHANNEL_GRACE_S = 1.0  # a worker whose channel closed has this long to be seen exiting before it is killed
 # A worker that fails before it is ready (a broken install, a start that cannot succeed) is replaced after a
-# delay that doubles with each such death in a row, from the first to the last, and resets once one starts:
-# a pool that cannot start spins no core, and one that can comes back within the last delay.
+# delay that doubles with each such failure in a row, from START_RETRY_FIRST_S up to START_RETRY_MAX_S, and
+# resets once one starts: a pool that cannot start spins no core, and one that can comes back within a delay.
 START_RETRY_FIRST_S = 0.25
 START_RETRY_MAX_S = 30.0
 # Why a worker was replaced, as `restarts_by_cause` counts it: "crash" (it exited, or died of a signal of
