@@ -79,8 +79,14 @@ def names():
 
 
 def _pooled(names: shm.SegmentNames) -> dict[int, int]:
-    """inode -> size of the pool's files."""
-    return {(names.pool / e).stat().st_ino: (names.pool / e).stat().st_size for e in os.listdir(names.pool)}
+    """inode -> size of the pool's files. A file the stocker is making is renamed to its size while this
+    looks, so an entry listed may be gone by its stat: the list is taken again."""
+    while True:
+        try:
+            stats = [(names.pool / e).stat() for e in os.listdir(names.pool)]
+        except FileNotFoundError:
+            continue
+        return {st.st_ino: st.st_size for st in stats}
 
 
 def _inode(name: str) -> int:
@@ -165,7 +171,8 @@ def test_the_stocker_writes_files_ahead_that_the_next_writes_of_that_size_take(n
     deadline = time.monotonic() + 5
     for _ in range(3):
         stocker.want(written[-1], size)
-        while list(_pooled(names).values()) != [size]:
+        # By the size its name gives: a file being made already has its length, but no write takes it
+        while [shm._pooled_size(e) for e in os.listdir(names.pool)] != [size]:
             assert time.monotonic() < deadline, _pooled(names)
             assert all(e.startswith(shm.POOL, len(names.prefix)) for e in os.listdir(shm.SHM_DIR)
                        if e.startswith(names.prefix) and e not in written)
