@@ -17,7 +17,8 @@ import pytest
 from service.media.errors import MediaError
 from service.shm import PREFIX as SEGMENT_PREFIX
 from service.shm import SHM_DIR, unlink
-from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool, resident_bytes
+from service.workers.pool import JobFailed, Owner, WorkerDied, WorkerPool
+from service.workers.processes import resident_bytes
 
 JOBS = "tests.hooks.jobs"
 
@@ -306,7 +307,7 @@ def test_a_new_worker_is_warmed_up_before_its_first_job() -> None:
 def test_the_fork_server_preloads_what_the_warm_up_imports() -> None:
     """A new worker (a replacement too) imports nothing of its own beyond Pillow's plugins: the family
     registry, left out once the model package stopped importing it, cost each new worker 0.29 s of CPU."""
-    probe = ("import importlib, sys\nfrom service.workers.pool import PRELOAD\n"
+    probe = ("import importlib, sys\nfrom service.workers.processes import PRELOAD\n"
              "for m in PRELOAD:\n    importlib.import_module(m)\nbefore = set(sys.modules)\n"
              "from service.workers import jobs\njobs.warm_up()\n"
              "print(sorted(m for m in set(sys.modules) - before if not m.startswith(('PIL.', '_'))))")

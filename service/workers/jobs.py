@@ -83,7 +83,7 @@ SAMPLE_IMAGE = Path(__file__).resolve().parents[1] / "assets" / "sample.jpg"
 
 def warm_up() -> None:
     """The image path once, on the bundled sample. A fresh worker's first image took about 230 ms instead
-    of 2.5 (2-core dev box): imports, now done once in the fork server (`pool.PRELOAD`), and first-use
+    of 2.5 (2-core dev box): imports, now done once in the fork server (`processes.PRELOAD`), and first-use
     initialisation (PIL's plugins, the first call of each numpy and torch routine), paid here instead."""
     from service.media.estimate import estimate_image
     from service.media.image_preprocess import preprocess_image_bytes

@@ -31,7 +31,8 @@ Processes also spread the work over the host's cores, which threads under one GI
 - Warm-up: each new worker first runs `warm_up` (a "module:function" of no arguments), so the first
   request it serves does not pay for first-use initialisation.
 
-What runs inside a worker process is `service.workers.child`.
+What runs inside a worker process is `service.workers.child`; the fork server it is forked from is
+`service.workers.processes`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -51,6 +51,7 @@ from typing import Any
 from service.channel import Channel, ChannelClosed
 from service.shm import unlink
 from service.workers.child import worker_main
+from service.workers.processes import fork_context, resident_bytes, start_fork_server
 
 log = logging.getLogger("vitserve.workers")
 
@@ -69,12 +70,6 @@ START_RETRY_MAX_S = 30.0
 # "deadline", "channel", "unresponsive".
 RETRIED_CAUSES = ("crash", "killed", "channel", "unresponsive")
 MAX_TRIES = 4
-# Imported once in the fork server, so a new worker starts with them already loaded. The family registry
-# (which processor each model type uses) brings the towers' modules with it: 0.29 s of CPU in every new
-# worker's warm-up when it was left out (2-core dev box).
-PRELOAD = ["service.workers.jobs", "service.media.estimate", "service.media.image_preprocess",
-           "service.media.video_preprocess", "models.families"]
-
 
 class JobFailed(Exception):
     """A job raised something other than an input problem: a bug; the traceback is logged."""
@@ -157,8 +152,7 @@ class WorkerPool:
         self.warm_up = warm_up
         self.job_timeout_s = job_timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD)
+        self._ctx = fork_context()
         self._workers: list[_Worker] = []
         self._idle: deque[_Worker] = deque()
         self._waiting: dict[Owner, deque[_Job]] = {}
@@ -177,7 +171,7 @@ class WorkerPool:
     def start(self) -> None:
         """Start the workers; call from the event loop that will drive them."""
         self.loop = asyncio.get_running_loop()
-        _start_fork_server()
+        start_fork_server()
         for _ in range(self.size):
             self._spawn()
         self._watch_handle = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
@@ -513,36 +507,6 @@ class WorkerPool:
                 "restarts_by_cause": dict(self.restarts_by_cause)}
 
 
-def _start_fork_server() -> None:
-    """Start the fork server with SIGTERM ignored, which it keeps across its exec: a SIGTERM sent to every
-    process of the server (systemd's stop, `pkill`) would end it, and with it every worker, mid-drain."""
-    from multiprocessing import forkserver
-
-    try:
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    except ValueError:  # not the main thread: it cannot be set here, and the fork server starts as it is
-        forkserver.ensure_running()
-        return
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _unlink_all(names: tuple[str, ...]) -> None:
     for name in names:
         unlink(name)
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def resident_bytes(pid: int | None) -> int | None:
-    """Resident memory of a process from /proc (None where unavailable)."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
