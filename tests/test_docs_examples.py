@@ -86,3 +86,14 @@ def test_every_metric_is_documented():
     names = {f.name + ("_total" if f.type == "counter" else "") for f in families if f.name.startswith("vitserve_")}
     text = (ROOT / "docs" / "api.md").read_text()
     assert len(names) > 10 and {n for n in names if f"`{n}" not in text} == set()
+
+
+def test_the_performance_page_cites_exactly_the_raw_files_kept():
+    """docs/bench/ keeps the raw results docs/performance.md cites, and only those; the page stays one
+    current page (older runs live in git history)."""
+    page = (ROOT / "docs" / "performance.md").read_text()
+    cited = set(re.findall(r"docs/bench/([\w.+-]+)", page))
+    kept = {p.name for p in (ROOT / "docs" / "bench").iterdir()}
+    assert cited - kept == set(), "cited but missing"
+    assert kept - cited == set(), "kept but never cited"
+    assert len(page.splitlines()) < 300
