@@ -20,7 +20,18 @@ from torch import nn
 from models.config import ProcessorConfig
 from models.family import Dims, Family
 from models.kernels import add_norm
-from models.layers import Attention, Block, GatedMlp, Merger, Mlp, Normalize, PatchEmbed, Rotary2D, make_norm
+from models.layers import (
+    Attention,
+    Block,
+    GatedMlp,
+    Merger,
+    Mlp,
+    Normalize,
+    PatchEmbed,
+    Rotary2D,
+    make_norm,
+    position_table,
+)
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
 from models.positions import bilinear_metadata, resample
 from models.protocol import Capacity, CapacityError, Grid, TowerOutput
@@ -58,7 +69,7 @@ class QwenTower(nn.Module):
         self.patch_embed = PatchEmbed((cin, tps, ps, ps), dims.hidden, bias=family.patch_bias)
         self.rotary = Rotary2D(dims.hidden // dims.heads, rope_theta(vision_config))
         if family.learned_positions:
-            self.pos_embed = nn.Embedding(vision_config.num_position_embeddings, dims.hidden)
+            self.pos_embed = position_table(vision_config.num_position_embeddings, dims.hidden)
             self.side = int(vision_config.num_position_embeddings**0.5)
         self.blocks = nn.ModuleList(self.make_block(dims) for _ in range(dims.depth))
         self.merger = Merger(dims.hidden, dims.out, self.merge_unit, family.norm, family.merger)

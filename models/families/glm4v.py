@@ -21,7 +21,7 @@ from torch import nn
 
 from models.config import ProcessorConfig
 from models.family import Dims, Family, register, standard_dims
-from models.layers import GatedMlp, RMSNorm
+from models.layers import GatedMlp, RMSNorm, position_table
 from models.positions import bicubic_metadata, resample_float32
 from models.protocol import Capacity, Grid, TowerOutput
 from models.tower import QwenTower
@@ -70,7 +70,7 @@ class GlmTower(QwenTower):
             self.post_conv_layernorm = RMSNorm(dims.hidden, eps)
             self.side = cfg.image_size // cfg.patch_size
             self.embeddings = nn.Module()
-            self.embeddings.position_embedding = nn.Embedding(self.side * self.side, dims.hidden)
+            self.embeddings.position_embedding = position_table(self.side * self.side, dims.hidden)
         self.post_layernorm = RMSNorm(dims.hidden, eps)
         self.downsample = MergeConv(dims.hidden, dims.out, self.merge)
         context = dims.out * cfg.in_channels if family.extra.get("merger_per_channel") else cfg.intermediate_size
