@@ -103,10 +103,8 @@ class Engine:
         if removed:
             log.info("removed %d shared-memory segment(s) left by servers that were killed", removed)
         self.names.open_pool()
-        # The load first: starting the workers waits for their fork server to import the media modules
-        # (2.6 s on 2 cores), which the model's load overlaps.
+        self.workers.start()  # returns at once: the workers fork while the model loads
         threading.Thread(target=self._load, name="vitserve-load", daemon=True).start()
-        self.workers.start()
 
     def _load(self) -> None:
         loop = self.loop
@@ -126,6 +124,7 @@ class Engine:
             infos += [b.model for b in self.backends[1:]]
             if any(i is None or i.plan != infos[0].plan for i in infos):
                 raise RuntimeError("the engines made different graph plans from the same settings")
+            self.workers.forked.wait()  # ready means media work starts at once, not after the first forks
             loop.call_soon_threadsafe(self._ready, infos[0])
         except Exception as exc:  # any start-up failure is fatal: say why and let the server exit
             loop.call_soon_threadsafe(self._load_failed, exc)

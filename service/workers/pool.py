@@ -42,6 +42,7 @@ import itertools
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -51,7 +52,7 @@ from typing import Any
 from service.channel import Channel, ChannelClosed
 from service.shm import unlink
 from service.workers.child import worker_main
-from service.workers.processes import fork_context, resident_bytes, start_fork_server
+from service.workers.processes import fork_context, resident_bytes, start_fork_server, wait_for_fork_server
 
 log = logging.getLogger("vitserve.workers")
 
@@ -165,16 +166,33 @@ class WorkerPool:
                          "retries": 0, "failed_starts": 0}
         self._failed_starts = 0  # in a row, since a worker last became ready
         self._respawns: list[asyncio.TimerHandle] = []  # replacements waiting out their delay
+        self._unforked = 0  # workers waiting for the fork server's first fork
+        self.forked = threading.Event()  # set once they are forked (or the pool stopped before)
         self.restarts_by_cause: dict[str, int] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the workers; call from the event loop that will drive them."""
+        """Start the workers; call from the event loop that will drive them. Returns at once: the first fork
+        waits for the fork server to import the media modules (2.3 s on 2 cores), which a thread waits out
+        so that the loop serves meanwhile (health checks, the model's load); until then the workers count
+        as starting."""
         self.loop = asyncio.get_running_loop()
         start_fork_server()
-        for _ in range(self.size):
-            self._spawn()
+        self._unforked = self.size
+        self.loop.run_in_executor(None, wait_for_fork_server, self._ctx).add_done_callback(self._fork_first)
         self._watch_handle = self.loop.call_later(WATCH_INTERVAL_S, self._watch)
+
+    def _fork_first(self, waited: asyncio.Future) -> None:
+        self._unforked = 0
+        try:
+            if self._stopping:
+                return
+            if waited.exception() is not None:  # the forks below fail the same way, each logged and retried
+                log.error("the workers' fork server did not start: %s", waited.exception())
+            for _ in range(self.size):
+                self._spawn()
+        finally:
+            self.forked.set()
 
     def _spawn(self) -> None:
         assert self.loop is not None
@@ -194,6 +212,7 @@ class WorkerPool:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every worker (jobs still running fail with WorkerDied("stopped"))."""
         self._stopping = True
+        self.forked.set()  # nothing waits for forks that will not come
         if self._watch_handle is not None:
             self._watch_handle.cancel()
         for handle in self._respawns:
@@ -491,7 +510,7 @@ class WorkerPool:
         out = dict.fromkeys(("idle", "busy", "starting", "dying"), 0)
         for w in self._workers:
             out[w.state] += 1
-        out["starting"] += len(self._respawns)
+        out["starting"] += len(self._respawns) + self._unforked
         return out
 
     @property

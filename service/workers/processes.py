@@ -39,6 +39,18 @@ def start_fork_server() -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def wait_for_fork_server(context: ForkServerContext) -> None:
+    """Returns once the fork server forks, which it does only after importing `PRELOAD`: by forking a
+    process that exits at once."""
+    probe = context.Process(target=_exit_at_once, name="vitserve-fork-probe", daemon=True)
+    probe.start()
+    probe.join()
+
+
+def _exit_at_once() -> None:
+    pass
+
+
 def resident_bytes(pid: int | None) -> int | None:
     """Resident memory of a process from /proc (None where unavailable)."""
     if pid is None:
