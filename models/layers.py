@@ -155,8 +155,8 @@ class Rotary2D(nn.Module):
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        # Made on the CPU even while the tower is built on the meta device, as `position_table` is left
-        # uninitialised: arange there runs torch's Python reference, which imports torch._dynamo.
+        # Made on the CPU even while the tower is built on the meta device (`reset` makes it again on the
+        # tower's device): arange on meta runs torch's Python reference, which imports torch._dynamo.
         self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:

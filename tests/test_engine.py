@@ -423,3 +423,28 @@ def test_cuda_without_an_index_is_resolved_to_the_current_device(monkeypatch) ->
     loading.bind_device(torch.device("cuda"))
     loading.bind_device(torch.device("cuda", 1))
     assert calls == [3, torch.device("cuda", 1)]
+
+
+def test_workers_that_cannot_fork_fail_the_start_with_the_reason(tower, monkeypatch):
+    """The workers fork while the model loads; a fork server that cannot fork fails the start (the server
+    exits saying why) instead of a ready server whose media work never runs."""
+    from service.workers import pool as pool_module
+
+    def no_fork_server(context):
+        raise OSError("the fork server's socket is gone")
+
+    monkeypatch.setattr(pool_module, "wait_for_fork_server", no_fork_server)
+    engine = Engine(settings(), runner=make_runner(tower))
+
+    async def main():
+        engine.start()
+        try:
+            while engine.state == "starting":
+                await asyncio.sleep(0.01)
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+    assert engine.state == "failed"
+    assert engine.load_error == ("RuntimeError: the worker processes failed to start: OSError: the fork server's "
+                                 "socket is gone")

@@ -125,6 +125,8 @@ class Engine:
             if any(i is None or i.plan != infos[0].plan for i in infos):
                 raise RuntimeError("the engines made different graph plans from the same settings")
             self.workers.forked.wait()  # ready means media work starts at once, not after the first forks
+            if self.workers.start_error:
+                raise RuntimeError(self.workers.start_error)
             loop.call_soon_threadsafe(self._ready, infos[0])
         except Exception as exc:  # any start-up failure is fatal: say why and let the server exit
             loop.call_soon_threadsafe(self._load_failed, exc)

@@ -167,7 +167,8 @@ class WorkerPool:
         self._failed_starts = 0  # in a row, since a worker last became ready
         self._respawns: list[asyncio.TimerHandle] = []  # replacements waiting out their delay
         self._unforked = 0  # workers waiting for the fork server's first fork
-        self.forked = threading.Event()  # set once they are forked (or the pool stopped before)
+        self.forked = threading.Event()  # set once they are forked, failed to (`start_error`) or were stopped
+        self.start_error: str | None = None
         self.restarts_by_cause: dict[str, int] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -185,12 +186,14 @@ class WorkerPool:
     def _fork_first(self, waited: asyncio.Future) -> None:
         self._unforked = 0
         try:
-            if self._stopping:
+            if self._stopping or waited.cancelled():
                 return
-            if waited.exception() is not None:  # the forks below fail the same way, each logged and retried
-                log.error("the workers' fork server did not start: %s", waited.exception())
+            if waited.exception() is not None:
+                raise waited.exception()  # type: ignore[misc]
             for _ in range(self.size):
                 self._spawn()
+        except Exception as exc:  # fatal to the server's start, as it was when the forks ran in `start`
+            self.start_error = f"the worker processes failed to start: {type(exc).__name__}: {exc}"
         finally:
             self.forked.set()
 
