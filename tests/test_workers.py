@@ -306,6 +306,14 @@ def test_a_new_worker_is_warmed_up_before_its_first_job() -> None:
         assert state["modules"] == ["service.media.image_preprocess", "service.media.video_preprocess"]
 
 
+def run_fresh(code: str) -> str:
+    """What `code` prints, run in a fresh interpreter from the repository root: a fork server of its own."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 def test_the_fork_server_preloads_what_the_warm_up_imports() -> None:
     """A new worker (a replacement too) imports nothing of its own beyond Pillow's plugins: the family
     registry, left out once the model package stopped importing it, cost each new worker 0.29 s of CPU."""
@@ -313,10 +321,7 @@ def test_the_fork_server_preloads_what_the_warm_up_imports() -> None:
              "for m in PRELOAD:\n    importlib.import_module(m)\nbefore = set(sys.modules)\n"
              "from service.workers import jobs\njobs.warm_up()\n"
              "print(sorted(m for m in set(sys.modules) - before if not m.startswith(('PIL.', '_'))))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert run_fresh(probe).splitlines()[-1] == "[]"
 
 
 def test_the_loop_serves_while_the_fork_server_imports() -> None:
@@ -339,10 +344,7 @@ def test_the_loop_serves_while_the_fork_server_imports() -> None:
              "    print(round(took, 3), states['starting'], ticks, job.result())\n"
              "    pool.stop()\n"
              "asyncio.run(main())\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr
-    took, starting, ticks, result = done.stdout.split()
+    took, starting, ticks, result = run_fresh(probe).split()
     assert float(took) < 0.5 and starting == "2" and result == "7"
     assert int(ticks) >= 50, "the loop did not run while the fork server imported"
 
