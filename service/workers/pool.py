@@ -188,8 +188,7 @@ class WorkerPool:
         try:
             if self._stopping or waited.cancelled():
                 return
-            if waited.exception() is not None:
-                raise waited.exception()  # type: ignore[misc]
+            waited.result()  # raises what the wait raised
             for _ in range(self.size):
                 self._spawn()
         except Exception as exc:  # fatal to the server's start, as it was when the forks ran in `start`
