@@ -5,23 +5,30 @@ device tensor `cu_seqlens` (padded with repeats: zero-length segments) and a lon
 `max_seqlen` as a Python int, so a captured graph picks up new boundaries on replay as long as the
 bound holds. Rows outside every segment are left unspecified.
 
-- `varlen`: torch's FlashAttention-2 varlen kernel (CUDA only): the baseline and the fallback.
-- `cudnn`: cuDNN's fused attention in its ragged layout through cudnn-frontend (models/attention_cudnn.py);
-  on Hopper, cuDNN runs head dims 72 and 80 well ahead of FlashAttention-2. Needs the `cuda` extra.
-  Short segments are the exception: a call whose bound `max_seqlen` is at most `SHORT_SEQLEN` (64
-  patches: Qwen2.5-VL's windows) runs varlen_attn, which was faster there (H200, bf16, 16 heads,
-  captured; 8 images 1344x756 as 672 windows: 0.25 ms against cuDNN's 0.36 at head dim 80, 0.26
-  against 0.37 at 72), while cuDNN led at every bound measured from 256 up (32 x 256: 0.059 against
-  0.064 ms). The bound is a Python int fixed at capture, so the choice is made on the host and a
-  graph keeps it.
-- `sdpa`: one SDPA call per segment, reading the boundaries on the host; fine on the CPU, where
-  there is no graph and no sync to avoid.
+- `varlen`: torch's FlashAttention-2 varlen kernel (CUDA, bf16 and fp16, head dims up to 256): the
+  baseline and the fallback. A head dim that is not a multiple of 8 is zero-padded to one (the scale
+  stays the head dim's own): the padded columns add nothing to q.k and come out as zeros, cut off.
+- `cudnn`: cuDNN's fused attention in its ragged layout through cudnn-frontend (models/attention_cudnn.py;
+  bf16 and fp16, head dims that are multiples of 8 up to 128); on Hopper, cuDNN runs head dims 72 and 80
+  well ahead of FlashAttention-2. Needs the `cuda` extra. Calls over short segments are the exception:
+  layers whose segments are at most `SHORT_SEQLEN` patches by construction (Qwen2.5-VL's windows) run
+  varlen_attn, which was faster there (H200, bf16, 16 heads, captured; 8 images 1344x756 as 672
+  windows: 0.25 ms against cuDNN's 0.36 at head dim 80, 0.26 against 0.37 at 72), while cuDNN led at
+  every bound measured from 256 up. The choice follows the layer (`short`), never the batch: a kernel
+  picked by the batch's longest segment would make an item's bytes depend on its neighbours.
+- `sdpa`: torch's scaled_dot_product_attention, any dtype and head dim. On the CPU one call per segment,
+  reading the boundaries on the host. On CUDA (`dense_attention`) every segment is gathered into one
+  [segments, max_seqlen] batch with a key mask, sync-free and graph-capturable: it computes
+  segments x max_seqlen rows where the packed kernels compute the tokens, so it serves float32 (which
+  no packed kernel takes) and is the last resort elsewhere.
 
-`auto` serves `sdpa` on the CPU. On CUDA it tries the backends of `AUTO_ORDER` and keeps the first
-that runs and agrees with varlen_attn on a self-check at load (`check_backend`: seeded inputs,
-ragged boundaries with zero-length padding, twice through one plan with different boundaries),
-else `varlen`; the log says which backend serves and why another was passed over. A backend named
-explicitly must pass the same check or loading fails.
+`auto` serves `sdpa` on the CPU and for float32 on CUDA. For bf16 and fp16 on CUDA it tries the
+backends of `AUTO_ORDER` that can take the head dim and keeps the first that runs and agrees with
+varlen_attn on a self-check at load (`check_backend`: seeded inputs, ragged boundaries with
+zero-length padding, twice through one plan with different boundaries), else `varlen` (else `sdpa` for
+head dims over 256); the log says which backend serves and why another was passed over. A backend
+named explicitly must be able to take the dtype and head dim (`backend_problem`, checked before the
+server binds its port) and pass the same check, or loading fails.
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ log = logging.getLogger("vitserve.models")
 
 BACKENDS = ("auto", "varlen", "cudnn", "sdpa")
 CUDA_ONLY = ("varlen", "cudnn")
-# The cudnn backend hands calls whose bound is at most this many rows to varlen_attn: on Qwen2.5-VL's
-# windows it took 0.25 ms against cuDNN's 0.36 (H200, head dim 80, captured; see the docstring).
+# The cudnn backend hands layers whose segments are at most this many rows to varlen_attn: on
+# Qwen2.5-VL's windows it took 0.25 ms against cuDNN's 0.36 (H200, head dim 80, captured; see the docstring).
 SHORT_SEQLEN = 64
 # Tried in order by `auto` on CUDA.
 AUTO_ORDER = ("cudnn",)
 CHECK_TOLERANCE = 1e-2  # relative difference to varlen_attn, as for the fused kernels
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Head dims each packed kernel takes (after padding to a multiple of 8 for varlen).
+MAX_HEAD_DIM = {"varlen": 256, "cudnn": 128}
 
 
 def check_backend_name(name: str, device: torch.device) -> str:
@@ -52,19 +62,41 @@ def check_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
+def backend_problem(name: str, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why backend `name` cannot serve a tower of `head_dim` attention in `dtype` on a `device_type`
+    device, in words for the operator; None when it can (`auto` always can)."""
+    if name in CUDA_ONLY and device_type != "cuda":
+        return f"attention backend {name!r} needs a CUDA device; on the CPU use sdpa (or auto)"
+    if name not in CUDA_ONLY:
+        return None
+    if dtype not in HALF_DTYPES:
+        return (f"attention backend {name!r} takes bfloat16 or float16, not {str(dtype).removeprefix('torch.')}; "
+                "--attention sdpa (or auto) serves float32")
+    if head_dim > MAX_HEAD_DIM[name]:
+        return f"attention backend {name!r} takes head dims up to {MAX_HEAD_DIM[name]}, this tower's is {head_dim}"
+    if name == "cudnn" and head_dim % 8:
+        return (f"attention backend 'cudnn' takes head dims that are multiples of 8, this tower's is {head_dim}; "
+                "varlen (or auto) pads it")
+    return None
+
+
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, heads: int = 16,
                     head_dim: int = 80) -> str:
     """The backend that serves a tower of `heads` x `head_dim` attention in `dtype` on `device`."""
     check_backend_name(name, device)
-    if name == "auto" and device.type != "cuda":
+    problem = backend_problem(name, device.type, dtype, head_dim)
+    if problem:
+        raise ValueError(problem)
+    if name == "auto" and (device.type != "cuda" or dtype not in HALF_DTYPES):
         return "sdpa"
     if name in ("varlen", "sdpa"):
         return name
-    if dtype not in (torch.bfloat16, torch.float16):
-        if name != "auto":
-            raise ValueError(f"attention backend {name!r} takes bfloat16 or float16, not {dtype}")
-        return "varlen"
-    for candidate in AUTO_ORDER if name == "auto" else (name,):
+    candidates = AUTO_ORDER if name == "auto" else (name,)
+    for candidate in candidates:
+        skip = backend_problem(candidate, device.type, dtype, head_dim)
+        if skip:
+            log.info("attention: %s not used: %s", candidate, skip)
+            continue
         err, reason = check_backend(candidate, device, dtype, heads, head_dim)
         if err < CHECK_TOLERANCE:
             log.info("attention: %s serves (relative difference to varlen_attn %.1e)", candidate, err)
@@ -72,31 +104,67 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.
         if name != "auto":
             raise ValueError(f"attention backend {candidate!r} is unusable here: {reason}")
         log.warning("attention: %s not used, falling back to varlen: %s", candidate, reason)
+    if backend_problem("varlen", device.type, dtype, head_dim):
+        log.info("attention: sdpa serves (head dim %d is beyond the packed kernels)", head_dim)
+        return "sdpa"
     log.info("attention: varlen serves")
     return "varlen"
 
 
-def kernel_for(backend: str, max_seqlen: int) -> str:
-    """The kernel that runs a call of `backend` whose segments are at most `max_seqlen` rows long."""
-    if backend == "cudnn" and max_seqlen <= SHORT_SEQLEN:
+def kernel_for(backend: str, short: bool = False) -> str:
+    """The kernel that runs a call of `backend` in a layer whose segments are at most SHORT_SEQLEN rows
+    long by construction (`short`: window attention), or not."""
+    if backend == "cudnn" and short:
         return "varlen"
     return backend
 
 
 def packed_attention(
-    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    short: bool = False,
 ) -> torch.Tensor:
     """q, k, v: [tokens, heads, head_dim]. Rows outside every segment are left unspecified."""
-    kernel = kernel_for(backend, max_seqlen)
+    kernel = kernel_for(backend, short)
     if kernel == "cudnn":
         from models.attention_cudnn import cudnn_attention
 
         return cudnn_attention(q, k, v, cu_seqlens, max_seqlen)
     if kernel == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
-
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        return varlen_padded(q, k, v, cu_seqlens, max_seqlen)
+    if q.is_cuda:
+        return dense_attention(q, k, v, cu_seqlens, max_seqlen)
     return sdpa_per_segment(q, k, v, cu_seqlens)
+
+
+def varlen_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_seqlen: int) -> torch.Tensor:
+    """varlen_attn, its head dim zero-padded to a multiple of 8 where it is not one."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    d = q.shape[-1]
+    pad = -d % 8
+    if not pad:
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    q, k, v = (F.pad(x, (0, pad)) for x in (q, k, v))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=d**-0.5)[..., :d]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                    max_seqlen: int) -> torch.Tensor:
+    """SDPA over every segment padded to `max_seqlen` rows, keys beyond a segment's end masked out;
+    gathers and scatters by index, so nothing is read back to the host. Rows of zero-length and
+    padding slots land in one spare row that is dropped."""
+    n, heads, d = q.shape
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    offsets = torch.arange(max(max_seqlen, 1), device=q.device)
+    valid = offsets < lengths[:, None]  # [segments, max_seqlen]
+    rows = torch.where(valid, starts[:, None] + offsets, n)  # the spare row for padding
+    padded = [torch.cat([x, x.new_zeros(1, heads, d)])[rows].transpose(1, 2) for x in (q, k, v)]
+    mask = valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(*padded, attn_mask=mask).transpose(1, 2)  # [segments, len, heads, d]
+    result = q.new_empty(n + 1, heads, d)
+    result[rows.reshape(-1)] = out.reshape(-1, heads, d)
+    return result[:n]
 
 
 def sdpa_per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -238,8 +238,10 @@ class Attention(nn.Module):
         return F.linear(x, *self.fused)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+        short: bool = False,
     ) -> torch.Tensor:
+        """`short`: this layer's segments are at most SHORT_SEQLEN rows by construction (models/attention.py)."""
         n, heads, kv = x.shape[0], self.heads, self.kv_heads
         rows = self.projections(x).view(n, heads + 2 * kv, -1)
         # q and k rotate together: one [n, 1, heads + kv, head_dim] view of the projection's rows
@@ -252,7 +254,7 @@ class Attention(nn.Module):
         q, k, v = qk[:, :heads], qk[:, heads:], rows[:, heads + kv :]
         if kv != heads:
             k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
-        out = packed_attention(self.backend, q, k, v, cu_seqlens, max_seqlen)
+        out = packed_attention(self.backend, q, k, v, cu_seqlens, max_seqlen, short)
         return self.proj(out.reshape(n, -1))
 
 
@@ -270,10 +272,10 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        cu_seqlens: torch.Tensor, max_seqlen: int,
+        cu_seqlens: torch.Tensor, max_seqlen: int, short: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream, normed: norm1(x) -> (x + attention, MLP output)."""
-        x, normed = add_norm(x, self.attn(normed, cos, sin, cu_seqlens, max_seqlen), self.norm2)
+        x, normed = add_norm(x, self.attn(normed, cos, sin, cu_seqlens, max_seqlen, short), self.norm2)
         return x, self.mlp(normed)
 
 

@@ -20,7 +20,9 @@ from models.attention import (
     BACKENDS,
     CHECK_MAX_SEQLEN,
     SHORT_SEQLEN,
+    backend_problem,
     check_backend_name,
+    dense_attention,
     kernel_for,
     packed_attention,
     resolve_backend,
@@ -123,10 +125,12 @@ def fake_kernels(monkeypatch) -> list[tuple[str, int]]:
 
     calls: list[tuple[str, int]] = []
 
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k):
-        assert cu_q is cu_k and max_q == max_k
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
+        assert cu_q is cu_k and max_q == max_k and q.shape[-1] % 8 == 0
         calls.append(("varlen", max_q))
-        return sdpa_per_segment(q, k, v, cu_q)
+        if scale is None:
+            return sdpa_per_segment(q, k, v, cu_q)
+        return sdpa_per_segment(q * (scale * q.shape[-1] ** 0.5), k, v, cu_q)  # SDPA scales by the padded dim
 
     def cudnn(q, k, v, cu_seqlens, max_seqlen):
         calls.append(("cudnn", max_seqlen))
@@ -137,22 +141,76 @@ def fake_kernels(monkeypatch) -> list[tuple[str, int]]:
     return calls
 
 
-def test_short_bounds_pick_varlen_under_cudnn_only() -> None:
+def test_short_layers_pick_varlen_under_cudnn_only() -> None:
     assert SHORT_SEQLEN == 64  # Qwen2.5-VL's windows: 8 x 8 patches
-    bounds = [1, 16, 63, 64, 65, 256, 1024, 5184]
-    assert [kernel_for("cudnn", n) for n in bounds] == ["varlen"] * 4 + ["cudnn"] * 4
-    assert [kernel_for("varlen", n) for n in bounds] == ["varlen"] * len(bounds)
-    assert [kernel_for("sdpa", n) for n in bounds] == ["sdpa"] * len(bounds)
+    assert kernel_for("cudnn", short=True) == "varlen" and kernel_for("cudnn") == "cudnn"
+    assert kernel_for("varlen", short=True) == kernel_for("varlen") == "varlen"
+    assert kernel_for("sdpa", short=True) == kernel_for("sdpa") == "sdpa"
     assert CHECK_MAX_SEQLEN > SHORT_SEQLEN  # the load-time check runs cuDNN itself
 
 
-@pytest.mark.parametrize("max_seqlen, kernel", [(8, "varlen"), (64, "varlen"), (65, "cudnn"), (512, "cudnn")])
-def test_packed_attention_dispatches_on_the_bound(fake_kernels: list, max_seqlen: int, kernel: str) -> None:
+@pytest.mark.parametrize("max_seqlen", [8, 64, 65, 512])
+@pytest.mark.parametrize("short, kernel", [(False, "cudnn"), (True, "varlen")])
+def test_the_kernel_follows_the_layer_never_the_batch(fake_kernels: list, max_seqlen: int, short: bool,
+                                                      kernel: str) -> None:
+    """Whatever the batch's longest segment (a lone small image, or one beside a large one), a layer's
+    calls go to one kernel: a choice by the bound made an item's bytes depend on its neighbours."""
     q, k, v = qkv_like_the_towers(40, 2, 16, torch.float32)
     bounds = cu([8, 0, 8, 3], slots=6)
-    out = packed_attention("cudnn", q, k, v, bounds, max_seqlen)
+    out = packed_attention("cudnn", q, k, v, bounds, max_seqlen, short)
     assert fake_kernels == [(kernel, max_seqlen)]
     assert torch.equal(out, sdpa_per_segment(q, k, v, bounds))
+
+
+@pytest.mark.parametrize("dim", [36, 52, 72, 90])
+def test_varlen_pads_a_head_dim_that_is_not_a_multiple_of_8(fake_kernels: list, dim: int) -> None:
+    """varlen_attn takes head dims that are multiples of 8: others travel zero-padded, at the head dim's
+    own scale, and come back cut to it (the fake kernel checks what it is handed)."""
+    q, k, v = qkv_like_the_towers(40, 2, dim, torch.float32)
+    bounds = cu([8, 0, 20, 3], slots=6)
+    out = packed_attention("varlen", q, k, v, bounds, 20)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, sdpa_per_segment(q, k, v, bounds), rtol=1e-5, atol=1e-6)
+    assert fake_kernels == [("varlen", 20)]
+
+
+@pytest.mark.parametrize("dim", [16, 36, 80])
+def test_dense_attention_equals_sdpa_per_segment(dim: int) -> None:
+    """The graph-capturable SDPA path (float32 on CUDA): every segment padded to the bound with its keys
+    masked; zero-length segments and rows outside every segment are dropped, not read back."""
+    q, k, v = qkv_like_the_towers(50, 3, dim, torch.float32)
+    bounds = cu([8, 0, 20, 1, 3], slots=7)  # 32 rows of 50 in segments
+    got = dense_attention(q, k, v, bounds, 20)
+    ref = sdpa_per_segment(q, k, v, bounds)
+    torch.testing.assert_close(got[:32], ref[:32], rtol=1e-5, atol=1e-6)
+    # an item's rows alone, at another bound and position (the same bytes on CUDA: test_cuda_invariance.py)
+    alone = dense_attention(q[8:28], k[8:28], v[8:28], cu([20]), 32)
+    torch.testing.assert_close(alone, got[8:28], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, dtype, dim, problem", [
+    ("varlen", torch.float32, 80, "takes bfloat16 or float16, not float32"),
+    ("cudnn", torch.float32, 80, "takes bfloat16 or float16"),
+    ("cudnn", torch.bfloat16, 36, "multiples of 8"),
+    ("cudnn", torch.bfloat16, 160, "up to 128"),
+    ("varlen", torch.float16, 320, "up to 256"),
+    ("varlen", torch.bfloat16, 36, None),  # padded
+    ("sdpa", torch.float32, 36, None),
+    ("auto", torch.float32, 36, None),
+])
+def test_backend_problems_name_what_a_kernel_cannot_take(name, dtype, dim, problem) -> None:
+    found = backend_problem(name, "cuda", dtype, dim)
+    assert (found is None) if problem is None else (problem in found)
+
+
+def test_auto_serves_float32_on_cuda_through_sdpa(monkeypatch) -> None:
+    """No packed kernel takes float32: auto picks the dense SDPA path without trying cuDNN."""
+    from models import attention
+
+    monkeypatch.setattr(attention, "check_backend", lambda *a: pytest.fail("cuDNN tried for float32"))
+    assert resolve_backend("auto", torch.device("cuda", 0), torch.float32, 16, 80) == "sdpa"
+    with pytest.raises(ValueError, match="float32"):
+        resolve_backend("varlen", torch.device("cuda", 0), torch.float32, 16, 80)
 
 
 def test_a_cudnn_tower_runs_its_windows_through_varlen(fake_kernels: list) -> None:
