@@ -56,6 +56,9 @@ class BudgetPlan:
     # The tower's layout beyond whole frames (e.g. windows): it adds its own bounds to a class's
     # patches, segments and longest segment. None: nothing beyond those.
     layout: Layout | None = None
+    # Attention spans a whole clip (models.protocol.Geometry.whole_clip): a video slot is one segment of up
+    # to t_capture frames, not t_capture segments of one frame.
+    whole_clip: bool = False
 
     @classmethod
     def create(
@@ -68,6 +71,7 @@ class BudgetPlan:
         t_capture: int = 8,
         max_segment_patches: int = 65536,
         layout: Layout | None = None,
+        whole_clip: bool = False,
     ) -> BudgetPlan:
         if max_batch_tokens < 1:
             raise BudgetError(f"--max-batch-tokens must be positive, got {max_batch_tokens}")
@@ -79,7 +83,7 @@ class BudgetPlan:
             raise BudgetError(f"--max-batch-items must be between 1 and the largest budget ({chosen[-1]}), got {items}")
         if t_capture < 1:
             raise BudgetError(f"--t-capture must be at least 1, got {t_capture}")
-        return cls(tuple(chosen), items, merge_unit, t_capture, max_segment_patches, layout)
+        return cls(tuple(chosen), items, merge_unit, t_capture, max_segment_patches, layout, whole_clip)
 
     @property
     def max_budget(self) -> int:
@@ -102,14 +106,16 @@ class BudgetPlan:
             L *= 2
 
     def max_segments(self, modality: str) -> int:
-        return self.max_items * (self.t_capture if modality == "video" else 1)
+        per_item = self.t_capture if modality == "video" and not self.whole_clip else 1
+        return self.max_items * per_item
 
     def capacity(self, key: GraphKey) -> Capacity:
         patches = key.budget * self.merge_unit
         lower = 0 if key.length_class == MIN_LENGTH_CLASS else key.length_class // 2
         min_segment = max(lower + 1, self.merge_unit)  # a frame is at least one merge block
         segments = min(self.max_segments(key.modality), patches // min_segment)
-        base = Capacity(patches=patches, segments=segments, max_seqlen=min(key.length_class, patches))
+        base = Capacity(patches=patches, segments=segments, max_seqlen=min(key.length_class, patches),
+                        modality=key.modality)
         return self.layout.class_capacity(base) if self.layout else base
 
     def keys(self, modalities: tuple[str, ...] = MODALITIES) -> list[GraphKey]:

@@ -20,14 +20,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from graphs.budgets import BudgetPlan, GraphKey
+from models.protocol import Geometry, Grid
 
 
 @dataclass(frozen=True)
 class PackItem:
-    tokens: int
+    tokens: int  # budget units: patches / merge_unit
     modality: str = "image"
-    segments: int = 1  # temporal patches
-    segment_patches: int = 0  # patches of one frame (h * w)
+    segments: int = 1  # attention segments (one per temporal patch, or one for a whole clip)
+    segment_patches: int = 0  # patches of the longest segment
+    temporal: int = 1  # temporal patches (t of the grid)
+
+    @classmethod
+    def of(cls, grid: Grid, modality: str, geometry: Geometry) -> PackItem:
+        t, h, w = grid
+        lengths = geometry.segment_lengths(grid)
+        return cls(t * h * w // geometry.merge_unit, modality, len(lengths), max(lengths), t)
 
 
 @dataclass
@@ -63,7 +71,7 @@ def eager_reason(item: PackItem, plan: BudgetPlan) -> str | None:
     """Why an item cannot go through any graph (so runs eagerly on its own), or None."""
     if item.tokens > plan.max_budget:
         return "over_budget"
-    if item.modality == "video" and item.segments > plan.t_capture:
+    if item.modality == "video" and item.temporal > plan.t_capture:
         return "t_capture"
     if plan.length_class(item.segment_patches) not in plan.length_classes(plan.max_budget):
         return "segment_too_long"

@@ -75,7 +75,7 @@ class GraphPool:
             self._warmup = self._warmup_stream()
         keys = sorted(keys, key=lambda k: -self.plan.capacity(k).patches)
         self._allocate_inputs([self.plan.capacity(k) for k in keys])
-        self._allocate_outputs(max((self.plan.capacity(k).patches for k in keys), default=0))
+        self._allocate_outputs(max((self.tower.geometry.output_rows(self.plan.capacity(k)) for k in keys), default=0))
         for key in keys:
             cap = self.plan.capacity(key)
             t0 = time.perf_counter()
@@ -153,12 +153,11 @@ class GraphPool:
             region = self._meta_flat[start:start + arr.nbytes]
             self._buffers[name] = region.view(torch.from_numpy(arr).dtype).view(arr.shape)
 
-    def _allocate_outputs(self, patches: int) -> None:
+    def _allocate_outputs(self, tokens: int) -> None:
         """Every graph writes its result here, outside the graph memory pool, so no graph output
         lives in memory that another graph's replay overwrites, and the pool holds only scratch. One
         [tokens, out_hidden * (1 + DeepStack layers)] buffer: the main embedding, then each DeepStack
         level, side by side (vLLM's layout), so a batch's result leaves the device in one copy."""
-        tokens = patches // self.tower.merge_unit
         hidden = self.tower.out_hidden_size
         self._joined = torch.zeros((tokens, hidden * (1 + self.tower.num_deepstack)), dtype=self.tower.dtype,
                                    device=self.device)
@@ -166,7 +165,7 @@ class GraphPool:
     def _forward_into_outputs(self, inputs: dict[str, torch.Tensor], cap: Capacity) -> torch.Tensor:
         meta = {k: v for k, v in inputs.items() if k != "pixels"}
         out = self.tower(inputs["pixels"], meta, cap)
-        tokens = cap.patches // self.tower.merge_unit
+        tokens = self.tower.geometry.output_rows(cap)
         hidden = self.tower.out_hidden_size
         for j, src in enumerate([out.embeds, *out.deepstack]):
             self._joined[:tokens, j * hidden:(j + 1) * hidden].copy_(src)
@@ -209,7 +208,7 @@ class GraphPool:
         assert self._meta_flat is not None
         staged = self._staged_metadata(key, grids, g)
         self._meta_flat[: len(staged)].copy_(staged, non_blocking=True)
-        tokens = len(pixels) // self.tower.merge_unit
+        tokens = sum(self.tower.geometry.tokens(grid, key.modality) for grid in grids)
         with torch.inference_mode():
             if g.graph is None:
                 out = self._forward_into_outputs(g.inputs, cap)

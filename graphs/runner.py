@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -18,7 +18,8 @@ from graphs.packing import Batch, CostModel, PackItem, pack
 from graphs.pool import GraphPool
 from graphs.stats import PoolStats
 from models.config import VisualInput
-from models.protocol import CapacityError, TowerOutput, VisionTower
+from models.metadata import EAGER_ROW_QUANTUM
+from models.protocol import CapacityError, Geometry, TowerOutput, VisionTower
 
 log = logging.getLogger("vitserve.graphs")
 
@@ -35,15 +36,17 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
              max_items: int | None = None, t_capture: int = 8) -> BudgetPlan:
     proc = tower.processor
     patch_area = proc.patch_size**2
-    largest_frame = max(proc.max_pixels, proc.video.max_pixels) // patch_area
+    largest_frame = max(max(proc.max_pixels, proc.video.max_pixels) // patch_area, tower.merge_unit)
+    whole_clip = tower.geometry.whole_clip
     return BudgetPlan.create(
         max_batch_tokens=max_batch_tokens,
         budgets=budgets,
         max_items=max_items,
         merge_unit=tower.merge_unit,
         t_capture=t_capture,
-        max_segment_patches=max(largest_frame, tower.merge_unit),
+        max_segment_patches=largest_frame * (t_capture if whole_clip else 1),
         layout=tower.layout,
+        whole_clip=whole_clip,
     )
 
 
@@ -139,7 +142,8 @@ class GraphRunner:
             self.run(batch, [items[i] for i in batch.items])
 
     def pack_items(self, items: Sequence[VisualInput]) -> list[Batch]:
-        return pack([to_pack_item(it, self.plan) for it in items], self.plan, self.cost, set(self.pool.failed))
+        return pack([to_pack_item(it, self.tower.geometry) for it in items], self.plan, self.cost,
+                    set(self.pool.failed))
 
     def run(self, batch: Batch, items: Sequence[VisualInput], staged: np.ndarray | torch.Tensor | None = None
             ) -> torch.Tensor:
@@ -163,26 +167,35 @@ class GraphRunner:
             except CapacityError:  # e.g. more attention windows than the class holds; nothing ran yet
                 reason = "layout_capacity"
         self.stats.record_eager(reason, len(items))
-        return joined(self.eager(pixels, grids))
+        return joined(self.eager(pixels, grids, items[0].modality))
 
     def run_batch(self, batch: Batch, items: Sequence[VisualInput]) -> list[ItemOutput]:
         """`run`, split into each item's own output tensors (copies: they outlive the next replay)."""
         rows = self.run(batch, items)
-        return split(rows, [it.num_patches // self.plan.merge_unit for it in items], self.tower.out_hidden_size)
+        tokens = [self.tower.geometry.tokens(it.grid_thw, it.modality) for it in items]
+        return split(rows, tokens, self.tower.out_hidden_size)
 
-    def eager(self, pixels: np.ndarray | torch.Tensor, grids: list) -> TowerOutput:
-        cap = self.tower.required_capacity(grids)
+    def eager(self, pixels: np.ndarray | torch.Tensor, grids: list, modality: str = "image") -> TowerOutput:
+        """One forward at the batch's own capacity, its patches padded to `EAGER_ROW_QUANTUM` budget units
+        (so its matrix products take the kernels a graph's do); the output rows of the batch's items."""
+        need = self.tower.required_capacity(grids, modality)
+        quantum = EAGER_ROW_QUANTUM * self.tower.merge_unit
+        cap = replace(need, patches=-(-need.patches // quantum) * quantum)
         meta = {k: torch.from_numpy(v).to(self.device, non_blocking=True)
                 for k, v in self.tower.build_metadata(grids, cap).items()}
         px = torch.as_tensor(pixels).to(self.device, non_blocking=True)
+        if px.shape[0] < cap.patches:
+            px = torch.cat([px, px.new_zeros(cap.patches - px.shape[0], *px.shape[1:])])
+        rows = sum(self.tower.geometry.tokens(g, modality) for g in grids)
         with torch.inference_mode():
-            return self.tower(px, meta, cap)
+            out = self.tower(px, meta, cap)
+        return TowerOutput(out.embeds[:rows], [d[:rows] for d in out.deepstack])
 
     def chunkable(self, item: VisualInput) -> bool:
         t, h, w = item.grid_thw
         chunk_tokens = min(t, self.plan.t_capture) * h * w // self.plan.merge_unit
         return (self.video_chunking and self.use_graphs and item.modality == "video" and t > 1
-                and chunk_tokens <= self.plan.max_budget)
+                and self.tower.geometry.splits_over_time and chunk_tokens <= self.plan.max_budget)
 
     def encode_chunked(self, video: VisualInput) -> torch.Tensor:
         """One long video as chunks of t_capture temporal patches (rows are t-major), re-joined."""
@@ -194,7 +207,8 @@ class GraphRunner:
         for batch in self.pack_items(chunks):
             own = [chunks[i] for i in batch.items]
             rows = self.run(batch, own).clone()  # out of the static output before the next replay
-            for i, part in zip(batch.items, rows.split([c.num_patches // self.plan.merge_unit for c in own])):
+            tokens = [self.tower.geometry.tokens(c.grid_thw, c.modality) for c in own]
+            for i, part in zip(batch.items, rows.split(tokens)):
                 parts[i] = part
         self.stats.record_chunked(len(chunks))
         return torch.cat(parts)
@@ -209,9 +223,8 @@ class GraphRunner:
         return results  # type: ignore[return-value]
 
 
-def to_pack_item(item: VisualInput, plan: BudgetPlan) -> PackItem:
-    t, h, w = item.grid_thw
-    return PackItem(item.num_patches // plan.merge_unit, item.modality, t, h * w)
+def to_pack_item(item: VisualInput, geometry: Geometry) -> PackItem:
+    return PackItem.of(item.grid_thw, item.modality, geometry)
 
 
 def concat_pixels(parts: list, pin: bool = False) -> np.ndarray | torch.Tensor:

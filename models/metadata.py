@@ -12,12 +12,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from models.protocol import Capacity, Grid
+from models.protocol import Capacity, Geometry, Grid
 
 
-def segment_lengths(grids: Sequence[Grid]) -> np.ndarray:
-    """One attention segment per temporal patch: attention never crosses frames in these towers."""
-    return np.asarray([h * w for t, h, w in grids for _ in range(t)], dtype=np.int64)
+def segment_lengths(grids: Sequence[Grid], geometry: Geometry = Geometry()) -> np.ndarray:
+    """The attention segments of a batch, item after item (one per temporal patch in the Qwen-VL towers)."""
+    return np.asarray([n for grid in grids for n in geometry.segment_lengths(grid)], dtype=np.int64)
 
 
 def padded_cumsum(lengths: np.ndarray, slots: int) -> np.ndarray:
@@ -63,10 +63,19 @@ def rotary_positions(grids: Sequence[Grid], merge: int, patches: int) -> np.ndar
     return out
 
 
-def base_capacity(grids: Sequence[Grid]) -> Capacity:
-    lengths = segment_lengths(grids)
+# Rows of an eager forward are padded to a multiple of this many budget units (merge blocks of patches):
+# matrix products of a few rows take other kernels than a graph's (split-K on the GPU; on the CPU, row
+# counts 1-11 that are not a multiple of 4 came out differently), and an item's bytes must not depend
+# on its batch. 32 units: the fewest rows a graph's budget has in practice (budgets start at 64).
+EAGER_ROW_QUANTUM = 32
+
+
+def base_capacity(grids: Sequence[Grid], geometry: Geometry = Geometry(), modality: str = "image") -> Capacity:
+    """The exact capacity of a batch: its patches, segments and longest segment."""
+    lengths = segment_lengths(grids, geometry)
     return Capacity(
         patches=int(sum(t * h * w for t, h, w in grids)),
         segments=len(lengths),
         max_seqlen=int(lengths.max()) if len(lengths) else 0,
+        modality=modality,
     )

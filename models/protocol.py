@@ -35,15 +35,59 @@ class Capacity:
     windows: int = 0
     max_seqlen: int = 0
     max_window_seqlen: int = 0
+    # The items' modality: a batch holds one, and a family may treat images and videos differently
+    # (a merge size per modality, frames pooled over time).
+    modality: str = "image"
 
     def fits(self, need: Capacity) -> bool:
         return (
-            need.patches <= self.patches
+            need.modality == self.modality
+            and need.patches <= self.patches
             and need.segments <= self.segments
             and need.windows <= self.windows
             and need.max_seqlen <= self.max_seqlen
             and need.max_window_seqlen <= self.max_window_seqlen
         )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How an item's grid (t, h, w) maps onto a tower's work and output, as a small picklable value: the
+    packing, the graph pool, the engine and the front processes all read it. This default is the Qwen-VL
+    rule (attention within each temporal patch, one output row per merge block of patches); a family whose
+    rule differs gives a subclass in its own module.
+
+    merge: patches per merged-token side; `merge_unit` = merge**2 patches are one unit of a token budget.
+    whole_clip: attention spans all temporal patches of an item (one segment) instead of one per temporal
+    patch.
+    """
+
+    merge: int = 2
+    whole_clip: bool = False
+
+    @property
+    def merge_unit(self) -> int:
+        return self.merge * self.merge
+
+    def segment_lengths(self, grid: Grid) -> list[int]:
+        """Patches of each attention segment of one item."""
+        t, h, w = grid
+        return [t * h * w] if self.whole_clip else [h * w] * t
+
+    def tokens(self, grid: Grid, modality: str = "image") -> int:
+        """Output rows of one item: what the language model sees."""
+        t, h, w = grid
+        return t * h * w // self.merge_unit
+
+    def output_rows(self, cap: Capacity) -> int:
+        """Output rows a forward at `cap` writes (the items' rows first, in order, then padding)."""
+        return cap.patches // self.merge_unit
+
+    @property
+    def splits_over_time(self) -> bool:
+        """An item's output is its temporal chunks' outputs back to back (nothing crosses a temporal patch),
+        so a long video may run as chunks."""
+        return not self.whole_clip
 
 
 class CapacityError(ValueError):
@@ -72,7 +116,8 @@ class VisionTower(Protocol):
     """Everything `graphs/` and the engine read from a model family; nothing else is assumed.
 
     name: the preset or checkpoint folder it was loaded from; family: the checkpoint's `model_type`.
-    merge: patches per merged-token side (`merge_unit` = merge**2 patches make one token).
+    merge: patches per merged-token side (`merge_unit` = merge**2 patches are one unit of a token budget).
+    geometry: the item rules (segments, output rows) graphs/ and the service read.
     out_hidden_size: width of a merged token; num_deepstack: DeepStack levels, each as wide.
     layout: what graph classes must hold beyond whole frames; None for families without windows.
     """
@@ -84,6 +129,7 @@ class VisionTower(Protocol):
     num_deepstack: int
     merge: int
     layout: Layout | None
+    geometry: Geometry
 
     @property
     def merge_unit(self) -> int: ...
@@ -100,7 +146,7 @@ class VisionTower(Protocol):
         """`forward` (an nn.Module's call)."""
         ...
 
-    def required_capacity(self, grids: Sequence[Grid]) -> Capacity: ...
+    def required_capacity(self, grids: Sequence[Grid], modality: str = "image") -> Capacity: ...
 
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]: ...
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from models.attention import SHORT_SEQLEN
 from models.config import ProcessorConfig
 from models.family import Dims, Family
 from models.kernels import add_norm
@@ -34,7 +35,7 @@ from models.layers import (
 )
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
 from models.positions import bilinear_metadata, resample
-from models.protocol import Capacity, CapacityError, Grid, TowerOutput
+from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
 from models.windows import Windows
 
 
@@ -58,6 +59,7 @@ class QwenTower(nn.Module):
         dims = self.dims = family.dims(vision_config)
         self.hidden, self.heads = dims.hidden, dims.heads
         self.merge = vision_config.spatial_merge_size
+        self.geometry = self.make_geometry()
         cin, tps, ps = vision_config.in_channels, vision_config.temporal_patch_size, vision_config.patch_size
         if (ps, tps, self.merge) != (processor.patch_size, processor.temporal_patch_size, processor.merge_size):
             raise ValueError(
@@ -85,6 +87,10 @@ class QwenTower(nn.Module):
             # Window edge in merged tokens (112 px / 14 px / 2 = 4 for the released configs).
             self.windows = Windows(vision_config.window_size // self.merge // ps, self.merge)
             self.full_attention = frozenset(vision_config.fullatt_block_indexes)
+
+    def make_geometry(self) -> Geometry:
+        """The item rules of this tower (models/protocol.py); a family with other rules overrides it."""
+        return Geometry(self.merge)
 
     def make_block(self, dims: Dims) -> Block:
         f, cfg = self.spec, self.config
@@ -143,16 +149,16 @@ class QwenTower(nn.Module):
 
     # ---- CPU half -------------------------------------------------------------------------
 
-    def required_capacity(self, grids: Sequence[Grid]) -> Capacity:
-        base = base_capacity(grids)
+    def required_capacity(self, grids: Sequence[Grid], modality: str = "image") -> Capacity:
+        base = base_capacity(grids, self.geometry, modality)
         return self.windows.required(base, grids) if self.windows else base
 
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
-        need = self.required_capacity(grids)
+        need = self.required_capacity(grids, cap.modality)
         if not cap.fits(need):
             raise CapacityError(f"batch needs {need}, more than the capacity {cap}")
         meta = {
-            "cu_seqlens": padded_cumsum(segment_lengths(grids), cap.segments),
+            "cu_seqlens": padded_cumsum(segment_lengths(grids, self.geometry), cap.segments),
             "pos_ids": rotary_positions(grids, self.merge, cap.patches),
         }
         if self.spec.learned_positions:
@@ -175,11 +181,14 @@ class QwenTower(nn.Module):
             embeds, deepstack = embeds[meta["reverse_index"]], [d[meta["reverse_index"]] for d in deepstack]
         return TowerOutput(embeds, deepstack)
 
-    def layer_segments(self, layer: int, meta: dict[str, torch.Tensor], cap: Capacity) -> tuple[torch.Tensor, int]:
-        """The attention segments of one layer (cu_seqlens, longest-segment bound): whole frames or windows."""
+    def layer_segments(self, layer: int, meta: dict[str, torch.Tensor], cap: Capacity
+                       ) -> tuple[torch.Tensor, int, bool]:
+        """The attention segments of one layer (cu_seqlens, longest-segment bound, whether every segment is
+        short by construction: see models.attention.kernel_for): whole frames or windows."""
         if layer in self.full_attention:
-            return meta["cu_seqlens"], cap.max_seqlen
-        return meta["cu_window_seqlens"], cap.max_window_seqlen
+            return meta["cu_seqlens"], cap.max_seqlen, False
+        assert self.windows is not None
+        return meta["cu_window_seqlens"], cap.max_window_seqlen, self.windows.patches <= SHORT_SEQLEN
 
     def run_blocks(
         self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity, taps=(), delta: torch.Tensor | None = None

@@ -9,7 +9,7 @@ the original order at the end. Both permutations and the window boundaries are m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -63,8 +63,7 @@ class Windows:
 
     def required(self, base: Capacity, grids: Sequence[Grid]) -> Capacity:
         _, lengths = self.layout(grids)
-        return Capacity(patches=base.patches, segments=base.segments, windows=len(lengths),
-                        max_seqlen=base.max_seqlen, max_window_seqlen=int(lengths.max()) if len(lengths) else 0)
+        return replace(base, windows=len(lengths), max_window_seqlen=int(lengths.max()) if len(lengths) else 0)
 
     def class_capacity(self, base: Capacity) -> Capacity:
         """Windows a graph class holds. A frame of n patches has at most n/16 + 1 windows
@@ -74,8 +73,7 @@ class Windows:
         aspect ratios beyond it runs eagerly."""
         patches, segments = base.patches, base.segments
         windows = min(patches // 16 + segments, patches // 32 + 4 * segments)
-        return Capacity(patches=patches, segments=segments, windows=windows, max_seqlen=base.max_seqlen,
-                        max_window_seqlen=self.patches)
+        return replace(base, windows=windows, max_window_seqlen=self.patches)
 
     def metadata(self, grids: Sequence[Grid], cap: Capacity, pos_ids: np.ndarray) -> dict[str, np.ndarray]:
         """window_index / reverse_index (merge groups; padding groups stay put), cu_window_seqlens, and the

@@ -126,11 +126,11 @@ def write_output(data: bytes, path: Path | None) -> None:
         raise
 
 
-def input_entry(index: int, path: Path, item, merge: int) -> dict:
+def input_entry(index: int, path: Path, item, geometry) -> dict:
     """The output file's description of one input: its file name (never the local path) and, for videos,
     the timing fields the server's responses carry."""
     entry = {"index": index, "type": item.modality, "file": path.name, "grid_thw": list(item.grid_thw),
-             "num_tokens": item.num_tokens(merge)}
+             "num_tokens": geometry.tokens(item.grid_thw, item.modality)}
     if item.modality == "video":
         from service.http.encoders import VIDEO_FIELDS
 
@@ -200,15 +200,16 @@ def run_encode(args: argparse.Namespace) -> int:
         progress(len(batch.items))
     elapsed = time.perf_counter() - start
     model = args.model if args.model in PRESETS else Path(args.model).name  # a folder: its name, not its path
-    inputs = [input_entry(i, path, item, tower.merge) for i, (path, item) in enumerate(zip(args.inputs, items))]
+    inputs = [input_entry(i, path, item, tower.geometry) for i, (path, item) in enumerate(zip(args.inputs, items))]
     metadata = {"model": model, "family": tower.family, "dtype": args.output_dtype,
                 "inputs": json.dumps(inputs, separators=(",", ":"))}
     write_output(save(tensors, metadata=metadata), target)
     # The file goes to stdout: the report goes to stderr.
     report = sys.stdout if target is not None else sys.stderr
     for i, (path, item) in enumerate(zip(args.inputs, items)):
+        tokens = tower.geometry.tokens(item.grid_thw, item.modality)
         print(f"{i}\t{path}\t{item.modality}\tgrid_thw={list(item.grid_thw)}\t"
-              f"tokens={item.num_tokens(tower.merge)}\tshape={list(tensors[f'embeds.{i}'].shape)}", file=report)
+              f"tokens={tokens}\tshape={list(tensors[f'embeds.{i}'].shape)}", file=report)
     print(f"wrote {target if target is not None else 'stdout'}: {len(items)} inputs in {elapsed:.2f}s",
           file=sys.stderr)
     if args.stats:

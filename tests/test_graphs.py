@@ -13,6 +13,7 @@ from graphs.budgets import BudgetError, BudgetPlan, GraphKey, auto_budgets
 from graphs.packing import CostModel, PackItem, pack
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
+from models.protocol import Geometry
 
 CPU = torch.device("cpu")
 
@@ -61,8 +62,7 @@ def test_every_key_capacity_is_consistent():
 
 # ---- packing ---------------------------------------------------------------------------------
 item_strategy = st.builds(
-    lambda t, h, w, video: PackItem(tokens=(t if video else 1) * h * w, modality="video" if video else "image",
-                                    segments=t if video else 1, segment_patches=4 * h * w),
+    lambda t, h, w, video: PackItem.of((t if video else 1, 2 * h, 2 * w), "video" if video else "image", Geometry()),
     st.integers(1, 12), st.integers(1, 40), st.integers(1, 40), st.booleans(),
 )
 
@@ -91,7 +91,7 @@ def test_packing_properties(items, max_tokens, max_items, overhead):
         assert sum(m.segments for m in members) <= cap.segments
         assert all(m.modality == b.key.modality for m in members)
         assert all(plan.length_class(m.segment_patches) == b.key.length_class for m in members)
-        assert all(m.segments <= plan.t_capture for m in members if m.modality == "video")
+        assert all(m.temporal <= plan.t_capture for m in members if m.modality == "video")
         smaller = [x for x in plan.budgets if x < b.key.budget and b.key.length_class in plan.length_classes(x)]
         assert all(x < b.tokens or plan.capacity(GraphKey(b.key.modality, x, b.key.length_class)).segments
                    < b.segments for x in smaller)  # the smallest budget that holds it
@@ -117,7 +117,7 @@ def test_a_batch_just_over_a_budget_is_split_when_that_costs_less(count, overhea
 
 def test_oversize_and_long_videos_run_alone_and_eagerly():
     plan = BudgetPlan.create(max_batch_tokens=256, t_capture=4)
-    items = [PackItem(300, "image", 1, 1200), PackItem(40, "video", 5, 32), PackItem(40, "video", 4, 40)]
+    items = [PackItem(300, "image", 1, 1200), PackItem(40, "video", 5, 32, 5), PackItem(40, "video", 4, 40, 4)]
     batches = pack(items, plan)
     reasons = {b.items[0]: b.reason for b in batches if b.key is None}
     assert reasons == {0: "over_budget", 1: "t_capture"}

@@ -57,7 +57,8 @@ class Work:
     id: str | None
     grid_thw: tuple[int, int, int]
     num_patches: int
-    tokens: int
+    tokens: int  # budget units (patches / merge_unit): what it costs the queue and the device
+    rows: int  # output rows: the merged tokens the language model sees (models.protocol.Geometry.tokens)
     meta: dict[str, Any]
     pixels: str  # segment with its uint8 rows
     future: asyncio.Future
@@ -212,7 +213,7 @@ class Batcher:
         works, self.queue = self.queue, []
         works.sort(key=lambda w: w.enqueued)
         plan = self.model.plan
-        items = [PackItem(w.tokens, w.modality, w.grid_thw[0], w.grid_thw[1] * w.grid_thw[2]) for w in works]
+        items = [PackItem.of(w.grid_thw, w.modality, self.model.geometry) for w in works]
         left: list[Work] = []
         for batch in pack(items, plan, self.model.cost):
             members = [works[i] for i in batch.items]
@@ -288,8 +289,8 @@ class Batcher:
                 continue
             w.future.set_result(ItemResult(
                 index=w.index, modality=w.modality, id=w.id, grid_thw=w.grid_thw,  # type: ignore[arg-type]
-                num_patches=w.num_patches, num_tokens=w.tokens, meta=w.meta,
-                output=OutputRef(it.output, w.tokens, m.width, m.dtype_name),
+                num_patches=w.num_patches, num_tokens=w.rows, meta=w.meta,
+                output=OutputRef(it.output, w.rows, m.width, m.dtype_name),
                 preprocess_s=w.preprocess_s, queue_s=flight.dispatched - w.enqueued, gpu_s=seconds))
 
     def _fail(self, flight: _InFlight, exc: Exception) -> None:

@@ -431,7 +431,8 @@ class Engine:
         tokens = prepared.num_patches // model.merge_unit
         self.admission.release(reserved - tokens)  # the queue counts the exact tokens from here on
         assert self.loop is not None
-        return Work(request, item.index, item.modality, item.id, prepared.grid_thw, prepared.num_patches, tokens,
+        rows = model.geometry.tokens(prepared.grid_thw, item.modality)
+        return Work(request, item.index, item.modality, item.id, prepared.grid_thw, prepared.num_patches, tokens, rows,
                     prepared.meta, pixels, self.loop.create_future(), prepared.seconds)
 
     def _options(self, item: MediaItem, cfg: ProcessorConfig) -> dict[str, Any]:

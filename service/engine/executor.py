@@ -129,8 +129,7 @@ class BatchExecutor:
         written: list[str] = []
         try:
             for it in running.job.items:
-                t, h, w = it.grid_thw
-                tokens = t * h * w // self.runner.plan.merge_unit
+                tokens = self.runner.tower.geometry.tokens(it.grid_thw, it.modality)
                 part = raw[offset:offset + tokens].reshape(-1).data if tokens and raw is not None else b""
                 shm.write(it.output, part)
                 written.append(it.output)

@@ -13,6 +13,7 @@ import torch
 from graphs.budgets import BudgetPlan
 from graphs.packing import Batch, CostModel
 from models.config import ProcessorConfig
+from models.protocol import Geometry
 
 Modality = Literal["image", "video"]
 IMAGE_OPTIONS = ("min_pixels", "max_pixels")
@@ -190,6 +191,7 @@ class ModelInfo:
     capture_failures: dict[str, str]
     cost: CostModel | None = None  # measured at start-up; the batcher weighs it
     uses_graphs: bool = True  # False on the CPU (fixed-shape eager runs) and with --eager
+    geometry: Geometry = Geometry()  # how an item's grid maps onto segments and output rows
 
     @property
     def merge_unit(self) -> int:
@@ -219,4 +221,5 @@ class ModelInfo:
             capture_failures={str(k): v for k, v in runner.pool.failed.items()},
             cost=runner.cost,
             uses_graphs=cuda_graphs,
+            geometry=tower.geometry,
         )

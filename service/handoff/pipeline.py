@@ -257,9 +257,10 @@ class Handoff:
             return False
         try:
             t, h, w = (int(x) for x in json.loads(md["grid_thw"]))
+            rows = model.geometry.tokens((t, h, w), md["modality"])
         except (KeyError, ValueError, TypeError):
             return False
-        return (header.shape == (t * h * w // model.merge_unit, model.width)
+        return (header.shape == (rows, model.width)
                 and header.dtype == SAFETENSORS_DTYPES.get(model.dtype))
 
     def _from_storage(self, look: list[tuple[int, str, str]], identity: str,
