@@ -24,6 +24,10 @@ from models.protocol import CapacityError, Geometry, TowerOutput, VisionTower
 log = logging.getLogger("vitserve.graphs")
 
 
+class EagerUnavailable(RuntimeError):
+    """A batch only an eager forward can run, where the eager path failed its start-up check."""
+
+
 @dataclass
 class ItemOutput:
     """One item's merged tokens [tokens, out_hidden] and DeepStack features, on `device`."""
@@ -68,6 +72,8 @@ class GraphRunner:
         self.pool = GraphPool(tower, device, plan, self.stats)
         # Measured by calibrate() on CUDA; None (the CPU, before calibration): never split nor pad-route.
         self.cost: CostModel | None = None
+        # Modalities whose eager path failed its self-check (graphs/self_check.py), with the reason.
+        self.eager_errors: dict[str, str] = {}
 
     @property
     def width(self) -> int:
@@ -167,6 +173,9 @@ class GraphRunner:
             except CapacityError:  # e.g. more attention windows than the class holds; nothing ran yet
                 reason = "layout_capacity"
         self.stats.record_eager(reason, len(items))
+        error = self.eager_errors.get(items[0].modality)
+        if error is not None:
+            raise EagerUnavailable(f"this batch needs the eager path ({reason}), which failed its self-check: {error}")
         return joined(self.eager(pixels, grids, items[0].modality))
 
     def run_batch(self, batch: Batch, items: Sequence[VisualInput]) -> list[ItemOutput]:

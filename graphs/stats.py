@@ -22,6 +22,7 @@ class PoolStats:
     capture_failures: dict = field(default_factory=dict)  # key -> error
     capture_seconds: float = 0.0
     pool_bytes: int = 0
+    self_check: dict = field(default_factory=dict)  # path ("eager/image", "graphs/video") -> "ok" or the reason
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_replay(self, key: str, items: int) -> None:
@@ -70,4 +71,5 @@ class PoolStats:
                 "capture_failures": dict(self.capture_failures),
                 "capture_seconds": round(self.capture_seconds, 3),
                 "pool_bytes": self.pool_bytes,
+                "self_check": dict(self.self_check),
             }

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.attention import check_backend_name, resolve_backend
+from models.attention import backend_problem, check_backend_name, resolve_backend
+from models.blas import batch_invariant_products
 from models.config import ProcessorConfig
 from models.families import FAMILIES, Family
 from models.kernels import enable_triton
@@ -65,13 +66,16 @@ def family_of(model_type: str) -> Family:
 
 
 def load_tower(
-    model: str, device: str = "auto", dtype: str = "auto", attention: str = "auto", seed: int = 0
+    model: str, device: str = "auto", dtype: str = "auto", attention: str = "auto", seed: int = 0,
+    batch_invariant: bool = True,
 ) -> QwenTower:
     """`model`: a checkpoint folder or a preset name (see models/presets.py). `attention`: a
-    backend of models/attention.py, chosen once the tower's head shape is known."""
+    backend of models/attention.py, chosen once the tower's head shape is known. `batch_invariant`:
+    matrix products whose rows do not depend on the batch (models/blas.py)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_backend_name(attention, dev)  # a bad name fails before any weight is read
+    batch_invariant_products(dev, dt, batch_invariant)  # before the first product of the process
     enable_triton(dev)
     interim = "varlen" if dev.type == "cuda" else "sdpa"
     if model in PRESETS:
@@ -172,6 +176,28 @@ def check_model(model: str) -> str:
     if problems:
         raise CheckpointError(f"{folder}: vision weights do not match the config ({' | '.join(problems)})")
     return family
+
+
+def check_attention(model: str, device: str, dtype: str, attention: str) -> None:
+    """ValueError naming why `attention` cannot serve `model` in `dtype` on `device`, found without reading a
+    weight (the tower is built on the meta device for its head dim); `auto` always finds a backend."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    check_backend_name(attention, dev)
+    if attention == "auto":
+        return
+    if model in PRESETS:
+        from models.presets import full_config
+
+        preset = PRESETS[model]
+        processor = ProcessorConfig.from_dicts(preset.family, preset.preprocessor, preset.video_preprocessor)
+        tower = build_tower(preset.family, family_of(preset.family).vision_config(full_config(preset)), processor,
+                            "sdpa")
+    else:
+        tower = build_tower(*_read_checkpoint_config(Path(model)), "sdpa")
+    problem = backend_problem(attention, dev.type, dt, tower.head_dim)
+    if problem:
+        raise ValueError(problem)
 
 
 def checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:

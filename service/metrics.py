@@ -62,6 +62,8 @@ class PoolCollector(Collector):
         eager = CounterMetricFamily("vitserve_eager_items", "Items run eagerly, by reason", labels=["reason"])
         captured = GaugeMetricFamily("vitserve_graphs_captured", "Graphs in the pool")
         failed = GaugeMetricFamily("vitserve_graph_capture_failures", "Graph keys whose capture failed")
+        checks = GaugeMetricFamily("vitserve_self_check_failed", "1 where a path (eager or graphs, per modality) "
+                                   "failed its start-up encode and is not served, else 0", labels=["path"])
         if stats is not None:
             data = stats.as_dict()
             hits.add_metric([], data["graph_items"])
@@ -70,7 +72,9 @@ class PoolCollector(Collector):
                 eager.add_metric([reason], n)
             captured.add_metric([], data["captured_graphs"])
             failed.add_metric([], len(data["capture_failures"]))
-        yield from (hits, misses, eager, captured, failed)
+            for path, result in sorted(data.get("self_check", {}).items()):
+                checks.add_metric([path], 0 if result == "ok" else 1)
+        yield from (hits, misses, eager, captured, failed, checks)
 
 
 class EngineCollector(Collector):

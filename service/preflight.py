@@ -5,7 +5,8 @@ background thread: /health answers meanwhile, /ready turns 200 when they are don
 can be known wrong before that is checked first, so that a misconfigured server never binds its
 port and stops with one line on stderr and a code that says whose problem it is:
 
-- 2 (`EXIT_SETTINGS`): a flag or `VITSERVE_*` variable is invalid, the device is not there, the
+- 2 (`EXIT_SETTINGS`): a flag or `VITSERVE_*` variable is invalid, the device is not there, `--attention`
+  names a backend that cannot serve the model's head dim in the dtype on the device, the
   `--ec-shared-storage` folder is not writable, or the port cannot be bound (in use, not allowed);
 - 3 (`EXIT_MODEL`): the model cannot be loaded: no such preset nor folder, an unreadable config.json
   or preprocessor config, an unsupported family, missing safetensors, or vision tensors missing,
@@ -59,6 +60,18 @@ def check_model(model: str) -> str:
         return check_model(model)
     except CheckpointError as exc:
         raise StartupError(f"--model: {exc}", EXIT_MODEL) from None
+
+
+def check_attention(settings: ServeSettings) -> None:
+    """--attention can serve the model's head dim in the served dtype on the device (models.loader)."""
+    from models.loader import CheckpointError, check_attention
+
+    try:
+        check_attention(settings.model, settings.device, settings.dtype, settings.attention)
+    except CheckpointError as exc:
+        raise StartupError(f"--model: {exc}", EXIT_MODEL) from None
+    except ValueError as exc:
+        raise StartupError(f"--attention {settings.attention}: {exc}", EXIT_SETTINGS) from None
 
 
 def check_storage(settings: ServeSettings) -> None:
@@ -115,5 +128,6 @@ def preflight(settings: ServeSettings, fronts: int = 1) -> list[socket.socket]:
     """Every check above, then the bound sockets to serve on, one per front; raises StartupError."""
     check_device(settings.device)
     check_model(settings.model)
+    check_attention(settings)
     check_storage(settings)
     return bind(settings.host, settings.port, fronts)

@@ -87,6 +87,8 @@ class ServeSettings(BaseModel):
     attention: str = flag("auto | varlen | cudnn | sdpa (default auto: cuDNN where it passes its load-time check, "
                           "else varlen_attn, on CUDA; SDPA on the CPU)", default="auto",
                           pattern="^(auto|varlen|cudnn|sdpa)$")
+    batch_invariant: bool = flag("matrix products whose rows do not depend on the batch, so an item's embedding is "
+                                 "the same bytes alone or in any batch (default on)", default=True)
     served_model_name: str | None = flag("model name reported by the API (default: --model)", default=None)
     max_batch_tokens: int = flag("token budget of the largest batch and graph (default 16384)", default=16384, ge=1)
     budgets: list[int] | None = flag("graph token budgets, separated by commas or spaces, or auto (default: powers "

@@ -142,15 +142,16 @@ class SubprocessServer:
     """`python -m service.http.server` in its own process (for signals), on a free loopback port."""
 
     def __init__(self, *flags: str, env: dict[str, str] | None = None, model: str | None = "tiny-qwen2-vl",
-                 batch_delay_ms: float = 0) -> None:
+                 batch_delay_ms: float = 0, launcher: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         defaults = ["--device", "cpu", "--dtype", "float32", "--max-batch-tokens", "1024",
                     "--preprocess-workers", "2", "--log-level", "info", "--host", "127.0.0.1", "--cache-bytes", "0"]
         if model is not None:
             defaults += ["--model", model]
-        # A slow engine is a test-only launcher, never a server flag (tests/hooks/slow_server.py).
-        module = "tests.hooks.slow_server" if batch_delay_ms else "service.http.server"
+        # A slow engine is a test-only launcher, never a server flag (tests/hooks/slow_server.py); so are
+        # the other faults of tests/hooks/ (`launcher`).
+        module = launcher or ("tests.hooks.slow_server" if batch_delay_ms else "service.http.server")
         self.cmd = [sys.executable, "-m", module, *defaults, "--port", str(self.port), *flags]
         # Only this test's VITSERVE_* variables reach the server.
         base = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}

@@ -177,7 +177,7 @@ def test_load_time_check(dim: int) -> None:
         assert resolve_backend("auto", DEV, torch.bfloat16, HEADS, dim) == "cudnn"
     else:
         assert resolve_backend("auto", DEV, torch.bfloat16, HEADS, dim) == "varlen"
-    assert resolve_backend("auto", DEV, torch.float32, HEADS, dim) == "varlen"  # no fp32 kernels
+    assert resolve_backend("auto", DEV, torch.float32, HEADS, dim) == "sdpa"  # no packed fp32 kernels: dense SDPA
 
 
 @pytest.mark.parametrize("model", ["random:qwen2.5-vl-7b", "random:qwen3-vl-8b"])

@@ -65,3 +65,9 @@ def test_sigterm_drains_without_losing_accepted_requests(group: bool):
 def test_bad_settings_exit_2_before_loading():
     code, log = SubprocessServer(env={"VITSERVE_VIDEO_CHUNKING": "auto"}).run_to_exit(timeout=60)
     assert code == 2 and "--video-chunking takes on or off" in log and "loaded" not in log, log
+
+
+def test_an_attention_backend_that_cannot_serve_exits_2_before_binding():
+    code, log = SubprocessServer("--attention", "varlen").run_to_exit(timeout=60)
+    assert code == 2 and "--attention varlen: attention backend 'varlen' needs a CUDA device" in log, log
+    assert "loaded" not in log and "Uvicorn running" not in log, log

@@ -3,6 +3,7 @@
     python tools/invariance_probe.py gemm [--out FILE]       # matrix products: rows of M vs rows of a larger M
     python tools/invariance_probe.py attention [--out FILE]  # one segment alone vs among others, per kernel
     python tools/invariance_probe.py tower MODEL [--out FILE]  # first module whose item rows differ
+    python tools/invariance_probe.py cost MODEL [--out FILE]   # graph and eager ms, batch-invariant or not
 
 `gemm` runs twice, in fresh interpreters: with cuBLAS's default workspaces and with none
 (`CUBLAS_WORKSPACE_CONFIG=:0:0`, `CUBLASLT_WORKSPACE_SIZE=0`: no split-K nor stream-K partial sums),
@@ -192,6 +193,35 @@ def tower(model: str, out: Path | None, device: str = "cuda") -> None:
     emit({"probe": "tower", "model": model, "modules_that_differ": first[:40], "count": len(first)}, out)
 
 
+def cost(model: str, out: Path | None) -> None:
+    """What batch-invariant products cost (models/blas.py): the same workloads through graphs captured with
+    and without them, and eagerly, alternated in one process (bf16)."""
+    from graphs.runner import GraphRunner, plan_for
+    from models import load_tower
+    from models.blas import batch_invariant_products
+    from service.bench.towers import random_items, workloads
+
+    dev = torch.device("cuda")
+    tw = load_tower(model, device="cuda", dtype="bfloat16")
+    runners = {}
+    for label, enabled in (("invariant", True), ("default", False)):
+        batch_invariant_products(dev, torch.bfloat16, enabled)
+        runners[label] = GraphRunner(tw, dev, plan_for(tw, 16384))
+        runners[label].capture()
+    loads = workloads(tw.processor.patch_size)
+    for name in ("1x448", "32x224", "128x224", "8x1344x756", "video16f448"):
+        items = random_items(tw, loads[name])
+        row = {"probe": "cost", "model": model, "workload": name}
+        grids, pixels = [it.grid_thw for it in items], torch.cat([it.pixels for it in items])
+        for label, runner in runners.items():
+            row[f"graphs_{label}_ms"] = round(ms(lambda r=runner, i=items: r.encode(i), iters=10), 3)
+            batch_invariant_products(dev, torch.bfloat16, label == "invariant")
+            modality = items[0].modality
+            row[f"eager_{label}_ms"] = round(ms(lambda r=runner, p=pixels, g=grids, m=modality: r.eager(p, g, m),
+                                                iters=5), 3)
+        emit(row, out)
+
+
 def emit(row: dict, out: Path | None) -> None:
     line = json.dumps(row)
     print(line, flush=True)
@@ -202,7 +232,7 @@ def emit(row: dict, out: Path | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("probe", choices=["gemm", "gemm-once", "attention", "tower"])
+    parser.add_argument("probe", choices=["gemm", "gemm-once", "attention", "tower", "cost"])
     parser.add_argument("model", nargs="?", default="random:qwen3-vl-8b")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--device", default="cuda")
@@ -211,8 +241,9 @@ def main() -> None:
     if args.probe == "gemm-once":
         print(json.dumps(gemm_once()))
         return
-    {"gemm": lambda: gemm(args.out), "attention": lambda: attention(args.out),
-     "tower": lambda: tower(args.model, args.out, args.device)}[args.probe]()
+    probes = {"gemm": lambda: gemm(args.out), "attention": lambda: attention(args.out),
+              "tower": lambda: tower(args.model, args.out, args.device), "cost": lambda: cost(args.model, args.out)}
+    probes[args.probe]()
     print(f"# {args.probe} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 

@@ -9,6 +9,7 @@ import time
 import torch
 
 from graphs.runner import GraphRunner, plan_for
+from graphs.self_check import self_check
 from service.settings import ServeSettings
 
 log = logging.getLogger("vitserve.engine")
@@ -22,7 +23,8 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     t0 = time.perf_counter()
     device = resolve_device(s.device)
     bind_device(device)
-    tower = load_tower(s.model, device=s.device, dtype=s.dtype, attention=s.attention)
+    tower = load_tower(s.model, device=s.device, dtype=s.dtype, attention=s.attention,
+                       batch_invariant=s.batch_invariant)
     max_tokens, budgets = s.max_batch_tokens, s.budgets
     capped = s.gpu_memory is not None and device.type == "cuda"
     if capped:
@@ -33,9 +35,14 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
         if budgets:
             budgets = [b for b in budgets if b <= max_tokens] or [max_tokens]
     items = min(s.max_batch_items, max_tokens) if s.max_batch_items else None
+    # Graphs for the modalities the family takes (an images-only tower captures no video keys).
+    from models.families import FAMILIES
+
+    modalities = ("image", "video") if FAMILIES[tower.family].video else ("image",)
     while True:
         plan = plan_for(tower, max_tokens, budgets, items, s.t_capture)
-        runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, video_chunking=s.video_chunking)
+        runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, modalities=modalities,
+                             video_chunking=s.video_chunking)
         # The backend in use, whatever --attention asked for (auto may have fallen back): operators check it.
         log.info("loaded %s (%s) on %s, attention: %s, in %.1fs; %s", s.model, tower.family, device, tower.backend,
                  time.perf_counter() - t0, runner.capture_plan())
@@ -43,10 +50,12 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
         # a capture failed, which would run out of the same memory.
         runner.capture(calibrate=not capped, stop_at_out_of_memory=capped)
         if not capped:
+            self_check(runner)
             return runner
         smaller = _budgets_that_fit(runner, s.gpu_memory)
         if smaller is None:
             runner.calibrate()
+            self_check(runner)
             return runner
         # The probe's estimate was off for the larger budgets: serving their keys eagerly would run out
         # of the same memory, so serve the budgets below the first that did not fit, captured afresh.

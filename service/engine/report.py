@@ -72,6 +72,7 @@ def engine_info(engine: Reported) -> dict[str, Any]:
         "captured": list(m.captured),
         "graphs": graph_modes(engine.backends),
         "capture_failures": MergedStats(engine.backends).as_dict()["capture_failures"],
+        "self_check": MergedStats(engine.backends).as_dict()["self_check"],
         "processor": {
             "patch_size": proc.patch_size,
             "merge_size": proc.merge_size,
@@ -120,12 +121,15 @@ class MergedStats:
         eager: Counter = Counter()
         replays: Counter = Counter()
         failures: dict[str, str] = {}
+        checks: dict[str, str] = {}
         for b in self.backends:
             eager.update(b.stats.get("eager_items", {}))
             replays.update(b.stats.get("replays", {}))
             prefix = f"{b.index}:" if len(self.backends) > 1 else ""
             failures.update({f"{prefix}{k}": v for k, v in b.stats.get("capture_failures", {}).items()})
+            checks.update({f"{prefix}{k}": v for k, v in b.stats.get("self_check", {}).items()})
         served = total["graph_items"] + sum(eager.values())
         return {**total, "eager_items": dict(eager), "replays": dict(replays), "capture_failures": failures,
+                "self_check": checks,
                 "hit_rate": round(total["graph_items"] / served, 4) if served else 0.0,
                 "capture_seconds": max((s.get("capture_seconds", 0.0) for s in snaps), default=0.0)}

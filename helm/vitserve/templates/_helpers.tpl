@@ -123,14 +123,15 @@ One server value as an env var string: whole numbers without an exponent, lists 
 {{- end }}
 
 {{/*
-The server map as VITSERVE_* env vars. Left out: null, "", empty lists, false switches.
+The server map as VITSERVE_* env vars. Left out: null, "", empty lists, false switches (except the
+switches that are on by default, which false turns off).
 */}}
 {{- define "vitserve.serverEnv" -}}
 {{- $server := deepCopy .Values.server }}
 {{- $model := include "vitserve.modelArg" . }}
 {{- $_ := set $server "model" $model }}
 {{- range $key, $value := $server }}
-{{- if not (or (kindIs "invalid" $value) (and (kindIs "string" $value) (eq $value "")) (and (kindIs "slice" $value) (eq (len $value) 0)) (and (kindIs "bool" $value) (not $value))) }}
+{{- if not (or (kindIs "invalid" $value) (and (kindIs "string" $value) (eq $value "")) (and (kindIs "slice" $value) (eq (len $value) 0)) (and (kindIs "bool" $value) (not $value) (not (has $key (list "batchInvariant"))))) }}
 - name: {{ printf "VITSERVE_%s" ($key | snakecase | upper) }}
   value: {{ include "vitserve.envValue" $value | quote }}
 {{- end }}
