@@ -29,11 +29,13 @@ def batch_invariant_products(device: torch.device, dtype: torch.dtype, enabled: 
         matmul.allow_bf16_reduced_precision_reduction = (True, True)
         matmul.allow_fp16_reduced_precision_reduction = (True, True)
         return
+    if dtype == torch.float32:
+        # Read by torch when cuBLAS first runs in the process: the tower's load is the first to run it.
+        # (Not with every product sent to cuBLASLt: torch 2.11 then fails to allocate its empty workspace.)
+        for key, value in NO_WORKSPACE.items():
+            os.environ.setdefault(key, value)
+        return
     # Split reductions can be refused only through cuBLASLt's preference; torch then sends every product there.
     torch.backends.cuda.preferred_blas_library("cublaslt")
     matmul.allow_bf16_reduced_precision_reduction = (False, False)
     matmul.allow_fp16_reduced_precision_reduction = (False, False)
-    if dtype == torch.float32:
-        # Read by torch when cuBLAS first runs in the process: the tower's load is the first to run it.
-        for key, value in NO_WORKSPACE.items():
-            os.environ.setdefault(key, value)

@@ -27,10 +27,15 @@ TINY = [n for n in PRESETS if n.startswith("tiny-")]
 PRESETS_BY_DTYPE = {"bfloat16": FULL + TINY, "float16": FULL[:4] + TINY, "float32": FULL[:4] + TINY}
 
 
+def child_env() -> dict[str, str]:
+    """A fresh interpreter that imports this checkout first, then what this one imports."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
 @pytest.mark.parametrize("dtype", list(PRESETS_BY_DTYPE))
 def test_every_family_serves_each_dtype_batch_invariantly(dtype: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "tests.cuda_dtype_check", dtype, *PRESETS_BY_DTYPE[dtype]],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=900)
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in reports:
@@ -75,8 +80,7 @@ def test_vitserve_encode_serves_float32_on_cuda(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "service.cli", "encode", "--model", "random:qwen2.5-vl-7b", "--device", "cuda",
            "--dtype", "float32", "--max-batch-tokens", "1024", "--output", str(out), "--stats",
            str(ROOT / "service/assets/sample.jpg")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=child_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["graph_items"] == 1 and not stats["capture_failures"], stats

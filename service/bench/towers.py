@@ -147,7 +147,7 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
                 k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
             full = layer in d["full"]
             a = packed_attention(attention, q, k, v, cu if full else cu_w,
-                                 cap.max_seqlen if full else cap.max_window_seqlen)
+                                 cap.max_seqlen if full else cap.max_window_seqlen, short=not full)
             x = x + a.reshape(n, h) @ w_o
             m = x @ w_up
             if d["gated"]:
