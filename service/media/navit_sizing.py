@@ -61,7 +61,7 @@ def resize_bicubic_antialias(rgb: np.ndarray, height: int, width: int) -> np.nda
     tensor resize runs on the CPU); the same size is returned as is."""
     if rgb.shape[:2] == (height, width):
         return rgb
-    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None].contiguous()
+    x = torch.from_numpy(np.array(rgb)).permute(2, 0, 1)[None].contiguous()
     y = F.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
     return y[0].permute(1, 2, 0).numpy()
 
