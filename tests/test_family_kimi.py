@@ -84,14 +84,14 @@ def kimi_chunks(grids, chunk: int = 4):
     return [(min(chunk, t - s), h, w) for t, h, w in grids for s in range(0, t, chunk)]
 
 
-def reference_features(name: str, model, tower, pixels, grids, video: bool) -> torch.Tensor:
-    x = reference_rows(tower, pixels, grids)
-    ref_grids = kimi_chunks(grids) if name == "tiny-kimi-k2.5" else grids
+def reference_features(model, tower, pixels, grids, video: bool) -> torch.Tensor:
+    x = reference_rows(tower, pixels, grids).to(model.device)
+    ref_grids = torch.tensor(kimi_chunks(grids) if tower.family == "kimi_k25" else grids, device=model.device)
     with torch.no_grad():
         if video:
-            out = model.model.get_video_features(pixel_values_videos=x, video_grid_thw=torch.tensor(ref_grids))
+            out = model.model.get_video_features(pixel_values_videos=x, video_grid_thw=ref_grids)
         else:
-            out = model.model.get_image_features(pixel_values=x, image_grid_thw=torch.tensor(ref_grids))
+            out = model.model.get_image_features(pixel_values=x, image_grid_thw=ref_grids)
     return torch.cat(out.pooler_output)
 
 
@@ -101,7 +101,7 @@ def test_image_parity_with_transformers(checkpoint):
     for seed, grids in enumerate([IMAGE_GRIDS, IMAGE_GRIDS[:1], IMAGE_GRIDS[::-1]]):
         pixels = random_pixels(tower, grids, seed)
         ours = run_ours(tower, grids, pixels)
-        expected = reference_features(name, reference, tower, pixels, grids, video=False)
+        expected = reference_features(reference, tower, pixels, grids, video=False)
         tokens = sum(tower.geometry.tokens(g) for g in grids)
         assert ours.embeds[:tokens].shape == expected.shape == (tokens, tower.out_hidden_size)
         assert ours.deepstack == []
@@ -117,7 +117,7 @@ def test_video_parity_with_transformers(checkpoint):
     meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
     with torch.no_grad():
         ours = tower(pixels, meta, cap).embeds
-    expected = reference_features(name, reference, tower, pixels, grids, video=True)
+    expected = reference_features(reference, tower, pixels, grids, video=True)
     tokens = sum(tower.geometry.tokens(g, "video") for g in grids)
     assert expected.shape[0] == tokens
     assert rel_err(ours[:tokens], expected) <= TOL
@@ -150,3 +150,42 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
     tokens = sum(tower.geometry.tokens(g) for g in grids)
     assert torch.equal(out.embeds[:tokens], exact.embeds[:tokens])
     assert np.isfinite(out.embeds[:tokens].numpy()).all()
+
+
+FULL = ["random:kimi-k2.6", "random:muse-glimmer-30b", "random:muse-spark-open"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", FULL)
+def test_full_size_bf16_graphs_against_transformers(name, tmp_path):
+    """Released sizes on the GPU: a checkpoint save_pretrained writes from transformers' model, served in
+    bf16 through CUDA graphs, against that model in float32 on the same weights (bound: 1e-2 or 1.1 x
+    transformers' own bf16 error), and each replay against the eager forward of the item alone."""
+    from graphs.runner import GraphRunner, plan_for
+    from models import VisualInput
+
+    model = reference_model(name)
+    model.save_pretrained(tmp_path)
+    preset = PRESETS[name]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
+    tower = load_tower(str(tmp_path), device="cuda", dtype="bfloat16")
+    runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower, max_batch_tokens=2048))
+    runner.capture()
+    model = model.to("cuda")
+    videos = [(6, 16, 16)] if name == "random:kimi-k2.6" else [(3, 16, 16)]
+    for modality, grids in (("image", [(1, 32, 32), (1, 16, 24), (1, 4, 6)]), ("video", videos)):
+        rng = np.random.default_rng(0)
+        items = [VisualInput(modality, rng.integers(0, 256, (t * h * w, tower.processor.patch_dim), np.uint8),
+                             (t, h, w)) for t, h, w in grids]
+        got = torch.cat([o.embeds for o in runner.encode(items)]).float().cpu()
+        pixels = torch.from_numpy(np.concatenate([it.pixels for it in items]))
+        ref = reference_features(model, tower, pixels, grids, modality == "video").float().cpu()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hf = reference_features(model, tower, pixels, grids, modality == "video").float().cpu()
+        bound = max(1e-2, 1.1 * rel_err(hf, ref))
+        assert rel_err(got, ref) <= bound, (name, modality, rel_err(got, ref), bound)
+        for it, out in zip(items, runner.encode(items)):
+            eager = runner.eager(it.pixels, [it.grid_thw], modality).embeds
+            assert rel_err(out.embeds, eager) <= 1e-2
+    assert runner.stats.graph_items > 0
