@@ -189,3 +189,23 @@ def test_full_size_bf16_graphs_against_transformers(name, tmp_path):
             eager = runner.eager(it.pixels, [it.grid_thw], modality).embeds
             assert rel_err(out.embeds, eager) <= 1e-2
     assert runner.stats.graph_items > 0
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_full_size_parameter_counts_match_transformers(name):
+    """Built from the released configs: as many parameters as transformers' vision tower and projector."""
+    import transformers
+
+    from models.families import FAMILIES
+    from models.loader import build_tower, family_processor_config
+
+    preset = PRESETS[name]
+    cfg = full_config(preset)
+    ours = build_tower(preset.family, cfg, family_processor_config(preset.family, preset.preprocessor,
+                                                                  preset.video_preprocessor), "sdpa")
+    with torch.device("meta"):
+        ref = getattr(transformers, FAMILIES[preset.family].hf_class)._from_config(cfg).model
+    parts = [ref.vision_tower] + [getattr(ref, n) for n in ("mm_projector", "vision_adapter", "vision_projection")
+                                  if hasattr(ref, n)]
+    count = lambda m: sum(x.numel() for x in m.parameters())  # noqa: E731
+    assert count(ours) == sum(count(p) for p in parts) > 400e6
