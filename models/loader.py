@@ -91,7 +91,7 @@ def _random_tower(name: str, preset: Preset, dev: torch.device, dt: torch.dtype,
     from models.presets import full_config
 
     cfg = full_config(preset)
-    processor = ProcessorConfig.from_dicts(preset.family, preset.preprocessor, preset.video_preprocessor)
+    processor = family_processor_config(preset.family, preset.preprocessor, preset.video_preprocessor)
     tower = build_tower(preset.family, family_of(preset.family).vision_config(cfg), processor, backend)
     tower.to_empty(device=dev)
     init_random(tower, seed)
@@ -278,7 +278,15 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":
         video = image
-    return ProcessorConfig.from_dicts(family, image, video)
+    return family_processor_config(family, image, video)
+
+
+def family_processor_config(family: str, image: dict[str, Any], video: dict[str, Any] | None) -> ProcessorConfig:
+    """`ProcessorConfig.from_dicts`, or the family's own reading of its processor configs where its keys differ
+    (`Family.extra["processor_config"]`, same arguments)."""
+    spec = FAMILIES.get(family)
+    read = spec.extra.get("processor_config") if spec else None
+    return (read or ProcessorConfig.from_dicts)(family, image, video)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -30,6 +30,26 @@ GLM41V_VISION = dict(depth=24, hidden_size=1536, intermediate_size=13696, out_hi
                      rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False)
 
 
+# Kimi-K2.x (transformers' Kimi_K25 processors' defaults) and Muse (MuseGlimmer's processors' defaults).
+KIMI_PRE = {"patch_size": 14, "merge_size": 2, "max_patches": 16384, "size": {"max_height": 512, "max_width": 512},
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+KIMI_VIDEO_PRE = {**KIMI_PRE, "max_patches": 4096, "temporal_patch_size": 4, "fps": 2}
+KIMI_VISION = dict(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4, num_attention_heads=16,
+                   num_hidden_layers=27, hidden_size=1152, intermediate_size=4304, hidden_act="gelu_pytorch_tanh")
+TINY_KIMI = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=4,
+                 num_hidden_layers=3, hidden_size=64, intermediate_size=96, hidden_act="gelu_pytorch_tanh",
+                 out_hidden_size=80)
+MUSE_PRE = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "max_image_tokens": 4096,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+MUSE_VIDEO_PRE = {**MUSE_PRE, "max_video_frame_tokens": 144, "num_frames": 96, "fps": 2.0}
+MUSE_VISION = dict(patch_size=14, pos_emb_height=32, pos_emb_width=32, num_attention_heads=16, num_hidden_layers=50,
+                   hidden_size=1536, intermediate_size=8960, hidden_act="gelu", patch_temporal=2, merge_size=2)
+# Three blocks: two in 8x8-patch windows, the last over whole frames.
+TINY_MUSE = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, max_position_embeddings=64, num_attention_heads=4,
+                 num_hidden_layers=3, hidden_size=64, intermediate_size=96, hidden_act="gelu", patch_temporal=2,
+                 merge_size=2, out_hidden_size=80, projector_hidden_size=48)
+
+
 @dataclass(frozen=True)
 class Preset:
     family: str  # transformers model_type of the full model
@@ -133,6 +153,21 @@ PRESETS: dict[str, Preset] = {
         {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
         {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
     ),
+    # Kimi-K2.6's released vision config (transformers' defaults) and its text model's width (DeepSeek-V3's);
+    # the tiny one has an 8x8 position table, so test grids are both larger and smaller than it.
+    "random:kimi-k2.6": Preset("kimi_k25", {**KIMI_VISION, "out_hidden_size": 7168}, KIMI_PRE, KIMI_VIDEO_PRE),
+    "tiny-kimi-k2.5": Preset("kimi_k25", TINY_KIMI, {**KIMI_PRE, "max_patches": 1024},
+                             {**KIMI_VIDEO_PRE, "max_patches": 256}),
+    # Muse-Glimmer-30B's and Muse-Spark-Open's released vision configs (transformers' defaults), adapter and
+    # text widths.
+    "random:muse-glimmer-30b": Preset("muse_glimmer", {**MUSE_VISION, "out_hidden_size": 6656,
+                                                       "projector_hidden_size": 4096}, MUSE_PRE, MUSE_VIDEO_PRE),
+    "random:muse-spark-open": Preset("muse_spark", {**MUSE_VISION, "out_hidden_size": 8192,
+                                                    "projector_hidden_size": 4096}, MUSE_PRE, MUSE_VIDEO_PRE),
+    "tiny-muse-glimmer": Preset("muse_glimmer", TINY_MUSE, {**MUSE_PRE, "max_image_tokens": 256},
+                                {**MUSE_VIDEO_PRE, "max_video_frame_tokens": 64, "num_frames": 16}),
+    "tiny-muse-spark": Preset("muse_spark", TINY_MUSE, {**MUSE_PRE, "max_image_tokens": 256},
+                              {**MUSE_VIDEO_PRE, "max_video_frame_tokens": 64, "num_frames": 16}),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -143,6 +178,8 @@ def full_config(preset: Preset):
     Omni models, which are built without their talker) holding the vision config."""
     from transformers import AutoConfig
 
+    if preset.family in ("kimi_k25", "muse_glimmer", "muse_spark"):
+        return kimi_muse_config(preset)
     family = preset.family.removesuffix("_thinker")
     text: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=256, bos_token_id=None, eos_token_id=None)
@@ -172,6 +209,34 @@ def full_config(preset: Preset):
     return AutoConfig.for_model(
         preset.family, vision_config=preset.vision, text_config=text, bos_token_id=None, eos_token_id=None
     )
+
+def kimi_muse_config(preset: Preset):
+    """Kimi-K2.x and Muse: the projector's sizes live in the whole model's config, so the preset's vision dict
+    carries the text width (`out_hidden_size`) and Muse's adapter width (`projector_hidden_size`); the text
+    model (and Muse-Spark's audio encoder) is tiny."""
+    from transformers import AutoConfig
+
+    vision = dict(preset.vision)
+    out = vision.pop("out_hidden_size")
+    common = dict(hidden_size=out, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=256,
+                  bos_token_id=None, eos_token_id=None)
+    if preset.family == "kimi_k25":
+        text = dict(model_type="deepseek_v3", **common, num_key_value_heads=4, moe_intermediate_size=16,
+                    n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None,
+                    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        return AutoConfig.for_model("kimi_k25", vision_config=vision, text_config=text,
+                                    projection_hidden_size=vision["hidden_size"])
+    projector = vision.pop("projector_hidden_size")
+    text = dict(**common, num_key_value_heads=2, head_dim=16, pad_token_id=None)
+    extra: dict[str, Any] = {}
+    if preset.family == "muse_spark":
+        text.update(moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=32)
+        extra["audio_config"] = dict(patch_sizes=[4, 2], hidden_sizes=[16, 32], depths=[1, 1], num_hidden_layers=2,
+                                     out_hidden_size=out)
+    merge = vision.get("merge_size", 2)
+    return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text, projector_hidden_size=projector,
+                                out_hidden_size=vision["hidden_size"] * merge * merge, **extra)
+
 
 # What `vitserve bench` runs by default, and the other families' presets it names in its help (`--models`
 # takes any `random:` preset above).

@@ -199,7 +199,10 @@ def test_folder_errors(tmp_path):
         build_tower("llava", None, None, "sdpa")
 
 
-@pytest.mark.parametrize("preset", [name for name in PRESETS if name.startswith("random:")])
+# Towers that carry their model's projector (config_path ()) are counted in their own files
+# (tests/test_family_kimi.py).
+@pytest.mark.parametrize("preset", [name for name in PRESETS if name.startswith("random:")
+                                    and SPECS[PRESETS[name].family].config_path != ()])
 def test_full_size_parameter_counts_match_transformers(preset):
     import transformers
 

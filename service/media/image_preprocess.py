@@ -33,7 +33,8 @@ from service.media.errors import (
 )
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
-from service.media.rules import image_sizing
+from service.media.navit_sizing import kimi_size, muse_size, resize_image
+from service.media.rules import family_extra, image_sizing
 
 MAX_ASPECT_RATIO = 200
 
@@ -163,6 +164,9 @@ def image_grid(
     T*H*W with T = temporal_patch_size (an image is a clip of T identical frames there).
     """
     lo, hi = _pixel_bounds(cfg, min_pixels, max_pixels)
+    if image_sizing(cfg) in ("kimi", "muse"):
+        (new_h, new_w), (pad_h, pad_w) = navit_image_size(height, width, cfg, hi)
+        return (new_h, new_w), (1, pad_h // cfg.patch_size, pad_w // cfg.patch_size)
     if image_sizing(cfg) == "glm4v":
         tps = cfg.temporal_patch_size
         new_h, new_w = clip_smart_resize(
@@ -171,6 +175,20 @@ def image_grid(
     else:
         new_h, new_w = smart_resize(height, width, cfg.factor, lo, hi)
     return (new_h, new_w), (1, new_h // cfg.patch_size, new_w // cfg.patch_size)
+
+
+def navit_image_size(height: int, width: int, cfg: ProcessorConfig, max_pixels: int, rule: str | None = None
+                     ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((resized h, w), (padded h, w)) under the Kimi and Muse processors' rules (service/media/navit_sizing.py),
+    whose caps are kept as pixels: Kimi's patches of a frame x patch**2, Muse's merged tokens x factor**2."""
+    if height <= 0 or width <= 0:
+        raise MediaError(f"image is {width}x{height}: it has no pixels", TOO_SMALL)
+    if (rule or image_sizing(cfg)) == "kimi":
+        p = cfg.patch_size
+        side = family_extra(cfg).get("max_side_patches", 512)
+        return kimi_size(height, width, p, cfg.merge_size, max(1, max_pixels // (p * p)), side)
+    size = muse_size(height, width, cfg.factor, max(1, max_pixels // (cfg.factor * cfg.factor)))
+    return size, size
 
 
 def check_tokens(grid: tuple[int, int, int], cfg: ProcessorConfig, max_tokens: int) -> int:
@@ -217,7 +235,10 @@ def preprocess_image(
         check_tokens(grid, cfg, max_tokens)
     if image.mode != "RGB" or has_alpha(image):
         image = to_rgb(image)
-    if (new_w, new_h) != (width, height):
+    padded = (grid[1] * cfg.patch_size, grid[2] * cfg.patch_size)
+    if image_sizing(cfg) in ("kimi", "muse"):
+        image = resize_image(image, image_sizing(cfg), (new_h, new_w), padded)
+    elif (new_w, new_h) != (width, height):
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.
         image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)

@@ -28,6 +28,12 @@ def image_sizing(cfg: ProcessorConfig) -> str:
     return family.image_sizing if family else "qwen2"
 
 
+def family_extra(cfg: ProcessorConfig) -> dict:
+    """What the family's own rules read beyond the common fields (`Family.extra`)."""
+    family = _family(cfg)
+    return family.extra if family else {}
+
+
 def takes_video(cfg: ProcessorConfig) -> bool:
     """False for a family whose vision model takes images only (Cohere Compass)."""
     family = _family(cfg)

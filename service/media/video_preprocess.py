@@ -36,6 +36,8 @@ from PIL import Image
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
+from service.media.navit_sizing import resize_image
+from service.media.rules import video_sampling
 from service.media.video import VideoInfo, VideoReader
 from service.media.video_sampling import SamplingPlan, VideoOptions, plan_sampling
 
@@ -59,8 +61,11 @@ class _PatchWriter:
         size: Callable[[int, int], tuple[int, int]],
         workers: int,
         max_tokens: int | None = None,
+        content: Callable[[int, int], tuple[int, int]] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.content = content  # resize to this, then zero-pad to `size` (the Kimi processors)
+        self.method = {"kimi": "kimi", "muse": "muse"}.get(video_sampling(cfg), "bicubic")
         self.max_tokens = max_tokens
         self.slots_of = slots_of
         self.num_slots = num_slots
@@ -102,7 +107,10 @@ class _PatchWriter:
         p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
         image = Image.fromarray(rgb)
-        if image.size != (w, h):
+        if self.method != "bicubic":
+            content = self.content(*rgb.shape[:2]) if self.content else (h, w)
+            image = resize_image(image, self.method, content, (h, w))
+        elif image.size != (w, h):
             image = image.resize((w, h), Image.Resampling.BICUBIC)
         row = np.dtype((np.void, p))
         for channel, band in enumerate("RGB"):
@@ -273,7 +281,8 @@ def preprocess_video_bytes(
             slots_of.setdefault(position, []).append(slot)
         n_workers = workers if workers is not None else min(4, os.cpu_count() or 1)
         writer = _PatchWriter(
-            cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens
+            cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens,
+            content=plan.sampling.content_size,
         )
         try:
             reader.read(plan.positions, writer)

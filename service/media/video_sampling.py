@@ -10,6 +10,7 @@ The rules follow the reference each model family ships with:
 * GLM-4.1V, GLM-4.5V, GLM-OCR: transformers' `Glm4vVideoProcessor` (`sample_frames`: frames at fps
   up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
 * GLM-4.6V: `Glm46VVideoProcessor` (a frame rate chosen by the clip's length, at most 640 frames).
+* Kimi-K2.x, Muse: `Kimi_K25VideoProcessor`, `MuseGlimmerVideoProcessor` (service/media/navit_sizing.py).
 
 `service.media.rules` says which of these a family follows.
 
@@ -27,7 +28,8 @@ import numpy as np
 
 from models.config import ProcessorConfig
 from service.media.errors import INVALID_OPTION, TOO_FEW_FRAMES, UNSUPPORTED_FORMAT, MediaError
-from service.media.image_preprocess import clip_smart_resize, smart_resize
+from service.media.image_preprocess import clip_smart_resize, navit_image_size, smart_resize
+from service.media.navit_sizing import kimi_frame_indices, muse_frame_indices
 from service.media.rules import takes_video, video_sampling
 
 # qwen-vl-utils' FRAME_FACTOR; it is the temporal_patch_size of every Qwen-VL checkpoint.
@@ -304,6 +306,8 @@ class SamplingPlan:
     # What moved the count away from duration * requested fps (beyond rounding): "min_frames" raised it,
     # "max_frames" or "frame_count" (fewer frames in range than that fps needs) lowered it; None: nothing.
     fps_adjusted_by: str | None = None
+    # The size a frame is resized to before it is zero-padded to `size` (the Kimi processors'); None: `size`.
+    content_size: Callable[[int, int], tuple[int, int]] | None = None
 
 
 def _fps_adjustment(wanted: float, clamped: float, cap: int, count: int) -> str | None:
@@ -431,6 +435,29 @@ def plan_sampling(
                 n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi_budget
             )
 
+    elif rules in ("kimi", "muse"):
+        # The Kimi and Muse processors (service/media/navit_sizing.py): a frame count from the rate, a cap
+        # on each frame's patches or tokens (max_pixels, as pixels); min_frames does not apply.
+        want = vcfg.max_frames if max_frames is None else max_frames
+        if rules == "kimi":
+            indices = kimi_frame_indices(count, video_fps, want_fps, nframes)
+        else:
+            indices = muse_frame_indices(count, video_fps, want_fps, nframes or want, cfg.temporal_patch_size)
+        if nframes is None and len(indices) < max(1, int(count / video_fps * want_fps)):
+            adjusted = "max_frames" if want < count else "frame_count"
+        indices = first + indices
+        n = len(indices)
+        hi_px = vcfg.max_pixels if max_pixels is None else max_pixels
+        if total_pixels is not None:
+            hi_px = min(hi_px, total_pixels // max(n, 1))
+        video_rules = rules
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return navit_image_size(height, width, cfg, hi_px, video_rules)[1]
+
+        def content(height: int, width: int) -> tuple[int, int]:
+            return navit_image_size(height, width, cfg, hi_px, video_rules)[0]
+
     else:
         raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
     sample_fps = n / max(count, 1e-6) * video_fps
@@ -438,6 +465,7 @@ def plan_sampling(
         indices=indices,
         sample_fps=sample_fps,
         size=size,
+        content_size=content if rules in ("kimi", "muse") else None,
         requested_fps=None if nframes is not None or dynamic else float(want_fps),
         fps_adjusted_by=adjusted,
     )

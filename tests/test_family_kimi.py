@@ -1,0 +1,211 @@
+"""Kimi-K2.x (`kimi_k25`) and Muse (`muse_glimmer`, `muse_spark`) towers against transformers' own models,
+loaded from the same safetensors written by `save_pretrained` (fp32, CPU), through the models' entry points
+`get_image_features` / `get_video_features`: images larger and smaller than the tiny 8x8 position tables,
+square and not, and videos (Kimi's in chunks of 4 frames, the last one shorter, one of a single frame).
+
+vitserve's pixel rows travel in merge-block order with columns (channel, temporal, pixels); the references
+take raster-order rows, Muse's with columns (temporal, channel, pixels): `reference_rows` reorders them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models import load_tower
+from models.metadata import block_order_positions
+from models.presets import PRESETS, full_config
+from tests.test_towers import random_pixels, rel_err, run_ours
+
+TOL = 1e-4
+IMAGE_GRIDS = [(1, 8, 12), (1, 16, 8), (1, 2, 2), (1, 20, 36), (1, 10, 6)]
+# Kimi: frames; 6 frames are chunks of 4 and 2, 5 frames of 4 and 1 (a single frame gets no time term).
+KIMI_VIDEO_GRIDS = [(4, 8, 12), (6, 6, 6), (5, 4, 4)]
+MUSE_VIDEO_GRIDS = [(2, 8, 12), (3, 10, 6)]  # temporal patches of two frames
+PRESET_NAMES = ["tiny-kimi-k2.5", "tiny-muse-glimmer", "tiny-muse-spark"]
+
+
+def reference_model(name: str, seed: int = 0):
+    """transformers' whole model for a tiny preset, fp32, sdpa, seeded, its vision norms and biases moved
+    off ones and zeros so a wrong wiring shows."""
+    import transformers
+
+    preset = PRESETS[name]
+    from models.families import FAMILIES
+
+    cls = getattr(transformers, FAMILIES[preset.family].hf_class)
+    torch.manual_seed(seed)
+    model = cls._from_config(full_config(preset), dtype=torch.float32, attn_implementation="sdpa")
+    parts = [model.model.vision_tower, *(getattr(model.model, n) for n in ("mm_projector", "vision_adapter")
+                                         if hasattr(model.model, n))]
+    with torch.no_grad():
+        for part in parts:
+            for p in part.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def write_checkpoint(name: str, folder: Path, seed: int = 0):
+    model = reference_model(name, seed)
+    model.save_pretrained(folder)
+    preset = PRESETS[name]
+    (folder / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
+    return model
+
+
+@pytest.fixture(scope="module", params=PRESET_NAMES)
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param.replace(".", "_"))
+    return request.param, folder, write_checkpoint(request.param, folder)
+
+
+def reference_rows(tower, pixels: torch.Tensor, grids) -> torch.Tensor:
+    """Our uint8 rows, normalised, in the reference's row order and column layout."""
+    x = torch.from_numpy(tower.processor.normalize(pixels.numpy()))
+    out, start = torch.empty_like(x), 0
+    for t, h, w in grids:
+        pos = block_order_positions(h, w, tower.merge)
+        raster = torch.from_numpy(pos[:, 0] * w + pos[:, 1])
+        for _ in range(t):
+            out[start + raster] = x[start : start + h * w]
+            start += h * w
+    tps, p = tower.processor.temporal_patch_size, tower.processor.patch_size
+    if tower.family == "kimi_k25":
+        return out.view(-1, 3, p, p)
+    return out.view(-1, 3, tps, p * p).transpose(1, 2).reshape(len(out), -1)
+
+
+def kimi_chunks(grids, chunk: int = 4):
+    return [(min(chunk, t - s), h, w) for t, h, w in grids for s in range(0, t, chunk)]
+
+
+def reference_features(model, tower, pixels, grids, video: bool) -> torch.Tensor:
+    x = reference_rows(tower, pixels, grids).to(model.device)
+    ref_grids = torch.tensor(kimi_chunks(grids) if tower.family == "kimi_k25" else grids, device=model.device)
+    with torch.no_grad():
+        if video:
+            out = model.model.get_video_features(pixel_values_videos=x, video_grid_thw=ref_grids)
+        else:
+            out = model.model.get_image_features(pixel_values=x, image_grid_thw=ref_grids)
+    return torch.cat(out.pooler_output)
+
+
+def test_image_parity_with_transformers(checkpoint):
+    name, folder, reference = checkpoint
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    for seed, grids in enumerate([IMAGE_GRIDS, IMAGE_GRIDS[:1], IMAGE_GRIDS[::-1]]):
+        pixels = random_pixels(tower, grids, seed)
+        ours = run_ours(tower, grids, pixels)
+        expected = reference_features(reference, tower, pixels, grids, video=False)
+        tokens = sum(tower.geometry.tokens(g) for g in grids)
+        assert ours.embeds[:tokens].shape == expected.shape == (tokens, tower.out_hidden_size)
+        assert ours.deepstack == []
+        assert rel_err(ours.embeds[:tokens], expected) <= TOL
+
+
+def test_video_parity_with_transformers(checkpoint):
+    name, folder, reference = checkpoint
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    grids = KIMI_VIDEO_GRIDS if name == "tiny-kimi-k2.5" else MUSE_VIDEO_GRIDS
+    pixels = random_pixels(tower, grids, 5)
+    cap = tower.required_capacity(grids, "video")
+    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+    with torch.no_grad():
+        ours = tower(pixels, meta, cap).embeds
+    expected = reference_features(reference, tower, pixels, grids, video=True)
+    tokens = sum(tower.geometry.tokens(g, "video") for g in grids)
+    assert expected.shape[0] == tokens
+    assert rel_err(ours[:tokens], expected) <= TOL
+
+
+def test_kimi_video_tokens_are_what_its_processor_counts():
+    """ceil(F / 4) chunks of one frame's tokens each, transformers' `_get_num_multimodal_tokens` rule."""
+    tower = load_tower("tiny-kimi-k2.5", device="cpu", dtype="float32")
+    for frames in (1, 3, 4, 5, 8, 9):
+        grid = (frames, 6, 10)
+        assert tower.geometry.tokens(grid, "video") == -(-frames // 4) * 60 // 4
+        assert tower.geometry.segment_lengths(grid) == [min(4, frames - s) * 60 for s in range(0, frames, 4)]
+
+
+def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
+    name, folder, _ = checkpoint
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    grids = IMAGE_GRIDS[:3]
+    pixels = random_pixels(tower, grids)
+    exact = run_ours(tower, grids, pixels)
+    need = tower.required_capacity(grids)
+    cap = type(need)(patches=need.patches + 64 * tower.merge_unit, segments=need.segments + 5,
+                     windows=need.windows + 7 if need.windows else 0, max_seqlen=need.max_seqlen * 2,
+                     max_window_seqlen=need.max_window_seqlen)
+    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
+    padded[: len(pixels)] = pixels
+    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+    with torch.no_grad():
+        out = tower(padded, meta, cap)
+    tokens = sum(tower.geometry.tokens(g) for g in grids)
+    assert torch.equal(out.embeds[:tokens], exact.embeds[:tokens])
+    assert np.isfinite(out.embeds[:tokens].numpy()).all()
+
+
+FULL = ["random:kimi-k2.6", "random:muse-glimmer-30b", "random:muse-spark-open"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", FULL)
+def test_full_size_bf16_graphs_against_transformers(name, tmp_path):
+    """Released sizes on the GPU: a checkpoint save_pretrained writes from transformers' model, served in
+    bf16 through CUDA graphs, against that model in float32 on the same weights (bound: 1e-2 or 1.1 x
+    transformers' own bf16 error), and each replay against the eager forward of the item alone."""
+    from graphs.runner import GraphRunner, plan_for
+    from models import VisualInput
+
+    model = reference_model(name)
+    model.save_pretrained(tmp_path)
+    preset = PRESETS[name]
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
+    tower = load_tower(str(tmp_path), device="cuda", dtype="bfloat16")
+    runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower, max_batch_tokens=2048))
+    runner.capture()
+    model = model.to("cuda")
+    videos = [(6, 16, 16)] if name == "random:kimi-k2.6" else [(3, 16, 16)]
+    for modality, grids in (("image", [(1, 32, 32), (1, 16, 24), (1, 4, 6)]), ("video", videos)):
+        rng = np.random.default_rng(0)
+        items = [VisualInput(modality, rng.integers(0, 256, (t * h * w, tower.processor.patch_dim), np.uint8),
+                             (t, h, w)) for t, h, w in grids]
+        got = torch.cat([o.embeds for o in runner.encode(items)]).float().cpu()
+        pixels = torch.from_numpy(np.concatenate([it.pixels for it in items]))
+        ref = reference_features(model, tower, pixels, grids, modality == "video").float().cpu()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hf = reference_features(model, tower, pixels, grids, modality == "video").float().cpu()
+        bound = max(1e-2, 1.1 * rel_err(hf, ref))
+        assert rel_err(got, ref) <= bound, (name, modality, rel_err(got, ref), bound)
+        for it, out in zip(items, runner.encode(items)):
+            eager = runner.eager(it.pixels, [it.grid_thw], modality).embeds
+            assert rel_err(out.embeds, eager) <= 1e-2
+    assert runner.stats.graph_items > 0
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_full_size_parameter_counts_match_transformers(name):
+    """Built from the released configs: as many parameters as transformers' vision tower and projector."""
+    import transformers
+
+    from models.families import FAMILIES
+    from models.loader import build_tower, family_processor_config
+
+    preset = PRESETS[name]
+    cfg = full_config(preset)
+    ours = build_tower(preset.family, cfg, family_processor_config(preset.family, preset.preprocessor,
+                                                                  preset.video_preprocessor), "sdpa")
+    with torch.device("meta"):
+        ref = getattr(transformers, FAMILIES[preset.family].hf_class)._from_config(cfg).model
+    parts = [ref.vision_tower] + [getattr(ref, n) for n in ("mm_projector", "vision_adapter", "vision_projection")
+                                  if hasattr(ref, n)]
+    count = lambda m: sum(x.numel() for x in m.parameters())  # noqa: E731
+    assert count(ours) == sum(count(p) for p in parts) > 400e6
