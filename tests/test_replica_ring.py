@@ -1,0 +1,339 @@
+"""Replicas that find each other, end to end: real `vitserve serve` processes on 127.0.0.2-5 (one port), each
+with `--replicas-from dns:vitserve-peers.test` and its own POD_IP, behind a hosts file the test writes
+(tests/hooks/hosts.py: `socket.getaddrinfo` answers the name from it, so the resolution's code path is the
+real one). A thread stands for Kubernetes' endpoints controller: the name lists the replicas whose /ready
+answers 200, so readiness gates membership as a headless Service does. Chat requests go through every
+front (a stub LLM server records what they forward); the connector's lookups (`ec_client.Replicas` on its
+own `Membership` of the same name) fetch every id.
+
+Then a fourth replica joins, one drains (SIGTERM) and one is killed (SIGKILL, while the endpoints wait
+as Kubernetes does before it sees a dead pod): no chat request fails, every fetch of an output a live
+replica holds is answered, the share of items found in a cache is back to all of them after each change,
+and the ids that moved are exactly those the changed replica wins or held. About 60 s on two cores.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.handoff.ec_client import FetchError, Loader, Replicas, check_output
+from service.handoff.membership import DnsSource, Membership, rendezvous
+from tests.hooks import hosts
+from tests.http_helpers import QuietHandler, SubprocessServer, free_port, image_bytes, loopback_http_server, server_url
+
+NAME = "vitserve-peers.test"
+ADDRESSES = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+IMAGES = [image_bytes(48 + 4 * (k % 5), 48, seed=300 + k) for k in range(24)]
+PER_REQUEST = 4
+
+
+class Recorder(QuietHandler):
+    """The LLM server: keeps each forwarded chat by the tag in its first text part."""
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.chats[body["messages"][0]["content"][0]["text"]] = body  # type: ignore[attr-defined]
+        self.reply(200, b'{"choices": []}', "application/json")
+
+
+class Endpoints:
+    """What the endpoints controller does for a headless Service with publishNotReadyAddresses false: the
+    name lists the replicas whose /ready answers 200 (asked every 0.2 s). `paused()`: the time Kubernetes
+    takes to see that a pod died (its readiness probe must fail a few times first)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.replicas: dict[str, str] = {}  # address -> URL
+        self.listed: list[str] = []
+        self._pause = threading.Event()
+        self._stop = threading.Event()
+        hosts.write(path, {})
+        self._thread = threading.Thread(target=self._run, name="test-endpoints", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=1, trust_env=False) as client:
+            while not self._stop.wait(0.2):
+                if self._pause.is_set():
+                    continue
+                ready = []
+                for address, url in list(self.replicas.items()):
+                    try:
+                        if client.get(url + "/ready").status_code == 200:
+                            ready.append(address)
+                    except httpx.HTTPError:
+                        pass
+                if ready != self.listed:
+                    hosts.write(self.path, {NAME: ready})
+                    self.listed = ready
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        self._pause.set()
+        try:
+            yield
+        finally:
+            self._pause.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def common_port() -> int:
+    """A port free on every test address."""
+    for _ in range(50):
+        port = free_port(ADDRESSES[0])
+        try:
+            for address in ADDRESSES[1:]:
+                with socket.socket() as s:
+                    s.bind((address, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no port free on every test address")
+
+
+class Ring:
+    """The replicas, the LLM stub, the endpoints and the connector's side, with the checks the test makes."""
+
+    def __init__(self, stack: ExitStack, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.tmp = tmp
+        self.port = common_port()
+        self.hosts_file = str(tmp / "hosts")
+        self.endpoints = Endpoints(self.hosts_file)
+        stack.callback(self.endpoints.close)
+        self.llm = stack.enter_context(loopback_http_server(Recorder))
+        self.llm.chats = {}  # type: ignore[attr-defined]
+        self.stack = stack
+        self.servers: dict[str, SubprocessServer] = {}  # URL -> server
+        self.uuids: list[str] = []  # per image
+        self.requests = itertools.count(1)  # tags the chats the stub records
+        # The connector's side: its own ring of the same name, resolved by its own thread.
+        monkeypatch.setattr(socket, "getaddrinfo", hosts.getaddrinfo_from(self.hosts_file))
+        self.connector = Replicas(Membership(source=DnsSource(NAME, self.port)), timeout=10)
+        self.connector.membership.start()
+        stack.callback(self.connector.membership.close)
+        self.loader = Loader(self.connector, "cpu")
+
+    def url(self, address: str) -> str:
+        return f"http://{address}:{self.port}"
+
+    def start(self, *addresses: str) -> None:
+        """Replicas side by side; the endpoints list each once it is ready."""
+        for address in addresses:
+            server = SubprocessServer(
+                "--replicas-from", f"dns:{NAME}", "--llm-url", server_url(self.llm), "--cache-bytes", str(64 << 20),
+                "--preprocess-workers", "1", "--request-timeout-s", "30",
+                host=address, port=self.port, launcher="tests.hooks.hosts", log_path=self.tmp / f"{address}.log",
+                env={"POD_IP": address, "VITSERVE_TEST_HOSTS": self.hosts_file})
+            self.stack.enter_context(_Stopped(server))
+            self.servers[server.url] = server.start()
+        for address in addresses:
+            server = self.servers[self.url(address)]
+            try:
+                _wait_ready(server)
+            except RuntimeError:
+                pytest.fail(f"replica {address} did not start:\n{server.log_path.read_text()[-3000:]}")  # type: ignore
+            self.endpoints.replicas[address] = server.url
+
+    def live(self) -> list[str]:
+        return [u for u, s in self.servers.items() if s.proc is not None and s.proc.poll() is None]
+
+    def wait_ring(self, members: list[str], fronts: list[str]) -> None:
+        """Until every front in `fronts` and the connector see exactly `members`."""
+        want = sorted(members)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seen = [httpx.get(u + "/info", timeout=5).json()["replicas"]["members"] for u in fronts]
+            if all(s == want for s in seen) and sorted(self.connector.urls) == want:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the ring did not become {want}: fronts see {seen}, the connector "
+                             f"{list(self.connector.urls)}")
+
+    # ---- traffic --------------------------------------------------------------------------------------
+    def chat(self, front: str, indices: list[int]) -> tuple[list[str], int]:
+        """One chat request through `front` with these images: (their uuids, the cache hits)."""
+        tag = f"request {next(self.requests)}"
+        content: list[dict[str, Any]] = [{"type": "text", "text": tag}]
+        content += [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                         + base64.b64encode(IMAGES[i]).decode()}} for i in indices]
+        r = httpx.post(front + "/v1/chat/completions", json={"model": "m", "messages": [
+            {"role": "user", "content": content}]}, timeout=60)
+        assert r.status_code == 200, f"{front}: {r.status_code} {r.text}"
+        forwarded = self.llm.chats[tag]["messages"][0]["content"][1:]  # type: ignore[attr-defined]
+        return [p["uuid"] for p in forwarded], int(r.headers["x-vitserve-cache-hits"])
+
+    def load(self, fronts: list[str]) -> int:
+        """Every image once, PER_REQUEST to a request, the requests spread over `fronts` and sent three at a
+        time: the cache hits. Every request must succeed."""
+        batches = [list(range(k, k + PER_REQUEST)) for k in range(0, len(IMAGES), PER_REQUEST)]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda kb: self.chat(fronts[kb[0] % len(fronts)], kb[1]), enumerate(batches)))
+        uuids = [u for got, _ in answers for u in got]
+        if self.uuids:
+            assert uuids == self.uuids  # content ids: the same image is the same id on every replica
+        self.uuids = uuids
+        return sum(hits for _, hits in answers)
+
+    def holders(self) -> dict[str, set[str]]:
+        """Which live replicas hold each id (their POST /v1/encoder_cache/check)."""
+        out: dict[str, set[str]] = {u: set() for u in self.uuids}
+        for url in self.live():
+            try:
+                present = httpx.post(url + "/v1/encoder_cache/check", json={"ids": self.uuids}, timeout=10).json()
+            except httpx.HTTPError:  # a draining replica that has just gone
+                continue
+            for u, held in zip(self.uuids, present["present"]):
+                if held:
+                    out[u].add(url)
+        return out
+
+    def fetch_all(self) -> dict[str, str]:
+        """The connector's check, then each id's fetch as a worker loads it: id -> the replica found on."""
+        where = self.connector.check(self.uuids)
+        for u in self.uuids:
+            tensor, header = self.loader.load(u, where[u])
+            check_output(u, header, tensor.shape[0])
+        return {u: w for u, w in where.items() if w is not None}
+
+    def counter(self, url: str, name: str, **labels: str) -> float:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        raise AssertionError(f"{url} has no {name} {labels}")
+
+
+class _Stopped:
+    """Stops a server at the end whatever happened (SIGKILL to its whole group)."""
+
+    def __init__(self, server: SubprocessServer) -> None:
+        self.server = server
+
+    def __enter__(self) -> SubprocessServer:
+        return self.server
+
+    def __exit__(self, *exc: object) -> None:
+        proc = self.server.proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _wait_ready(server: SubprocessServer) -> None:
+    from tests.http_helpers import wait_ready
+
+    assert server.proc is not None
+    wait_ready(server.url, timeout=180, proc=server.proc)
+
+
+def owner(members: list[str], item_id: str) -> str:
+    return rendezvous(members, item_id)[0]
+
+
+def test_replicas_follow_the_rings_members_through_a_join_a_drain_and_a_kill(tmp_path, monkeypatch):
+    with ExitStack() as stack:
+        ring = Ring(stack, tmp_path, monkeypatch)
+        a, b, c, d = (ring.url(x) for x in ADDRESSES)
+
+        # ---- three replicas: each id is encoded on its replica, found there by the connector -------------
+        ring.start(*ADDRESSES[:3])
+        three = [a, b, c]
+        ring.wait_ring(three, three)
+        assert ring.load(three) == 0
+        assert ring.holders() == {u: {owner(three, u)} for u in ring.uuids}
+        assert ring.fetch_all() == {u: owner(three, u) for u in ring.uuids}
+        assert ring.connector.found == {"home": 24, "elsewhere": 0, "missing": 0}
+        assert ring.load([c, a, b]) == 24  # through other fronts: every item found where its id points
+        info = httpx.get(a + "/info").json()["replicas"]
+        assert info["self"] == a and info["source"] == f"dns:{NAME}:{ring.port}" and info["down"] == []
+        assert sum(ring.counter(u, "vitserve_replica_items_total", found="encoded") for u in three) == 24
+        assert sum(ring.counter(u, "vitserve_replica_forwards_total") for u in three) > 0
+        assert ring.counter(a, "vitserve_replica_members") == 3
+
+        # ---- a fourth joins: it wins some ids; they are found on their old replica until encoded again ---
+        ring.start(ADDRESSES[3])
+        four = [a, b, c, d]
+        ring.wait_ring(four, four)
+        moved = {u for u in ring.uuids if owner(four, u) != owner(three, u)}
+        assert moved and moved == {u for u in ring.uuids if owner(four, u) == d}
+        before = ring.holders()
+        found = ring.fetch_all()  # before anything is encoded again: the next replica in each id's order
+        assert found == {u: owner(three, u) for u in ring.uuids}
+        assert ring.connector.found["elsewhere"] == len(moved)
+        assert ring.load(four) == 24 - len(moved)  # a moved item is a miss: encoded again on its new replica
+        assert diff(before, ring.holders()) == {(u, d) for u in moved}
+        assert ring.load([d, c, b, a]) == 24  # recovered
+        assert ring.fetch_all() == {u: owner(four, u) for u in ring.uuids}
+
+        # ---- one drains: out of the ring at once, its outputs still fetched while it lingers -------------
+        drained = b
+        only_there = {u for u, urls in ring.holders().items() if urls == {drained}}
+        ring.servers[drained].terminate()
+        fetch_while_draining(ring, drained, only_there)
+        rest = [a, c, d]
+        ring.wait_ring(rest, rest)
+        fetch_while_draining(ring, drained, only_there)  # now through the connector's members that left
+        before = ring.holders()
+        moved = {u for u in ring.uuids if owner(four, u) == drained}
+        assert ring.load(rest) == 24 - len(moved)
+        assert {pair for pair in diff(before, ring.holders()) if pair[1] != drained} == \
+            {(u, owner(rest, u)) for u in moved}
+        assert ring.load([d, a, c]) == 24  # recovered
+        code, log = ring.servers[drained].wait(60)
+        assert code == 0, log[-3000:]
+
+        # ---- one is killed: until the endpoints see it, its items go to the next replica ----------------
+        killed = c
+        alive = [a, d]
+        with ring.endpoints.paused():
+            os.killpg(ring.servers[killed].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            ring.servers[killed].proc.wait(30)  # type: ignore[union-attr]
+            moved = {u for u in ring.uuids if owner(rest, u) == killed}
+            assert moved
+            retries = sum(ring.counter(u, "vitserve_replica_retries_total") for u in alive)
+            assert ring.load(alive) == 24 - len(moved)  # no request fails: each item on the next replica
+            assert sum(ring.counter(u, "vitserve_replica_retries_total") for u in alive) > retries
+            assert killed in httpx.get(a + "/info").json()["replicas"]["down"] or \
+                killed in httpx.get(d + "/info").json()["replicas"]["down"]
+            found = ring.fetch_all()  # the dead replica is still a member: each id is found on the next
+            assert found == {u: owner(alive, u) for u in ring.uuids}
+        ring.wait_ring(alive, alive)
+        assert ring.load([d, a]) == 24  # recovered
+        assert ring.fetch_all() == {u: owner(alive, u) for u in ring.uuids}
+        home = ring.connector.found["home"]
+        ring.fetch_all()
+        assert ring.connector.found["home"] == home + 24
+
+
+def diff(before: dict[str, set[str]], after: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(id, replica) pairs held after and not before."""
+    return {(u, url) for u, urls in after.items() for url in urls - before.get(u, set())}
+
+
+def fetch_while_draining(ring: Ring, drained: str, only_there: set[str]) -> None:
+    """Every id is fetched; one that fails was held only by the draining replica, and only once it had gone."""
+    for u in ring.uuids:
+        try:
+            ring.loader.load(u)
+        except FetchError:
+            assert u in only_there and ring.servers[drained].proc.poll() is not None, u  # type: ignore[union-attr]
