@@ -199,7 +199,7 @@ def test_replicas_act_as_one_cache():
             for u in uuids:
                 home = replica_for([a.url, b.url], u)
                 other = b.url if home == a.url else a.url
-                assert httpx.get(f"{home}/v1/encoder_cache/{u}").status_code == 200
+                assert httpx.get(f"{home}/v1/encoder_cache/{u}").status_code == 200, a.app.state.service.peers.info()
                 assert httpx.get(f"{other}/v1/encoder_cache/{u}").status_code == 404
             # As the connector loads them: the same list, each id from its replica, each answer checked.
             loader = Loader(Replicas([b.url, a.url]), "cpu")
