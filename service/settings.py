@@ -142,7 +142,7 @@ class ServeSettings(BaseModel):
                                "(default: this server alone)", default_factory=list)
     advertise_url: str | None = flag("this server's URL as it appears in --replicas: its items are encoded in "
                                      "process (default: every item goes over HTTP; with --replicas-from, "
-                                     "http://$POD_IP:--port)", default=None)
+                                     "http://$POD_IP at its PORT)", default=None)
     replicas_from: str | None = flag("dns:NAME[:PORT]: the replicas are NAME's A and AAAA records (a headless "
                                      "Service's ready pods), resolved again every few seconds, each at PORT "
                                      "(default --port); this server's own address is POD_IP's; --replicas adds "

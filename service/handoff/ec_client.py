@@ -6,7 +6,7 @@ The replicas are a `Membership` (a fixed list, and/or `dns:NAME[:PORT]` resolved
 and an id's replicas are asked in its rendezvous order, as vitserve's OpenAI front orders them to place the
 id (`service.http.peers`): the replica that encoded it is the first, or, after a change of members, one of
 the next (a joining replica wins the id from it) or one that just left (it still holds its outputs while it
-drains). So a lookup asks the first MAX_TRIES of the order and then the members that left, and no lookup
+drains). So a lookup asks the first MAX_TRIES of the order and then of the members that left, and no lookup
 fails while the replica holding the output is up. A replica that does not answer is asked last for DOWN_S
 seconds; a lookup that found nothing resolves the members again first when they may be stale.
 """
@@ -86,10 +86,11 @@ class Replicas:
 
     def candidates(self, item_id: str, first: str | None = None) -> list[str]:
         """Where to look for `item_id`, in order: `first` (where a check found it), the first MAX_TRIES of its
-        order, the members that left; replicas that did not answer lately after the others."""
+        order, then of the members that left (the one that held it comes first among them: it beat them all in
+        the id's order); replicas that did not answer lately after the others."""
         seen: dict[str, None] = {}
         for url in ([normalise(first)] if first else []) + self.membership.order(item_id)[:MAX_TRIES] + \
-                self.membership.fallbacks(item_id):
+                self.membership.fallbacks(item_id)[:MAX_TRIES]:
             seen.setdefault(url)
         now = time.monotonic()
         with self._lock:
@@ -97,8 +98,10 @@ class Replicas:
         return [u for u in seen if u not in down] + [u for u in seen if u in down]
 
     def _no_answer(self, url: str) -> None:
+        now = time.monotonic()
         with self._lock:
-            self._down[url] = time.monotonic() + DOWN_S
+            self._down = {u: until for u, until in self._down.items() if until > now}
+            self._down[url] = now + DOWN_S
 
     def _count(self, kind: str) -> None:
         with self._lock:
@@ -107,6 +110,8 @@ class Replicas:
     def _connection(self, url: str, fresh: bool = False) -> http.client.HTTPConnection:
         pool: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("pool", {})
         conn = pool.get(url)
+        if conn is None:
+            self._prune(pool)
         if conn is None or fresh:
             if conn is not None:
                 conn.close()
@@ -115,6 +120,13 @@ class Replicas:
             conn = pool[url] = kind(parts.netloc, timeout=self.timeout)
             conn._create_connection = _connect  # type: ignore[attr-defined]
         return conn
+
+    def _prune(self, pool: dict[str, http.client.HTTPConnection]) -> None:
+        """Close connections to replicas gone from the ring (pods come and go with new addresses)."""
+        if len(pool) > 2 * len(self.membership.members) + 8:
+            for url in [u for u in pool if u not in self.membership.members]:
+                pool.pop(url).close()
+
     def request(self, url: str, method: str, path: str, body: bytes | None = None,
                 headers: dict[str, str] | None = None,
                 buffer: Callable[[int], memoryview] | None = None) -> tuple[int, bytearray | memoryview]:
