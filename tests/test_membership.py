@@ -244,3 +244,20 @@ def test_rendezvous_is_one_order_for_everyone():
     urls = [url_for(f"10.0.0.{k}", 8000) for k in range(1, 6)]
     for i in IDS[:50]:
         assert rendezvous(urls, i) == rendezvous(reversed(urls + [urls[0] + "/"]), i)
+
+
+@pytest.mark.cuda
+def test_a_gpu_load_reads_into_the_pinned_buffer_from_the_replica_that_holds_it():
+    """The worker's GPU path: the body of the replica that answers 200 (not the 404s before it) is read into
+    the pinned staging buffer and copied to the device."""
+    import torch
+
+    with loopback_http_server(Holder) as a, loopback_http_server(Holder) as b:
+        a.held, a.asked, b.held, b.asked = set(), [], set(), []  # type: ignore[attr-defined]
+        replicas = Replicas([server_url(a), server_url(b)], timeout=5)
+        i = next(i for i in IDS if replicas.membership.order(i)[0] == server_url(a))
+        b.held.add(i)  # type: ignore[attr-defined] - the second of its order holds it
+        tensor, header = ec_client.Loader(replicas, "cuda:0").load(i)
+        assert tensor.device.type == "cuda" and tensor.tolist() == [[1.0, 2.0]]
+        assert header["__metadata__"]["uuid"] == i and replicas.found["elsewhere"] == 1
+        assert torch.cuda.is_available()
