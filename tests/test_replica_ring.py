@@ -63,7 +63,7 @@ class Endpoints:
         self.path = path
         self.replicas: dict[str, str] = {}  # address -> URL
         self.listed: list[str] = []
-        self._pause = threading.Event()
+        self._lock = threading.Lock()  # held by each round of asking, and while paused
         self._stop = threading.Event()
         hosts.write(path, {})
         self._thread = threading.Thread(target=self._run, name="test-endpoints", daemon=True)
@@ -72,26 +72,23 @@ class Endpoints:
     def _run(self) -> None:
         with httpx.Client(timeout=1, trust_env=False) as client:
             while not self._stop.wait(0.2):
-                if self._pause.is_set():
-                    continue
-                ready = []
-                for address, url in list(self.replicas.items()):
-                    try:
-                        if client.get(url + "/ready").status_code == 200:
-                            ready.append(address)
-                    except httpx.HTTPError:
-                        pass
-                if ready != self.listed:
-                    hosts.write(self.path, {NAME: ready})
-                    self.listed = ready
+                with self._lock:
+                    ready = []
+                    for address, url in list(self.replicas.items()):
+                        try:
+                            if client.get(url + "/ready").status_code == 200:
+                                ready.append(address)
+                        except httpx.HTTPError:
+                            pass
+                    if ready != self.listed:
+                        hosts.write(self.path, {NAME: ready})
+                        self.listed = ready
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        self._pause.set()
-        try:
+        """No round of asking runs meanwhile (one under way finishes first)."""
+        with self._lock:
             yield
-        finally:
-            self._pause.clear()
 
     def close(self) -> None:
         self._stop.set()
