@@ -143,7 +143,12 @@ class ServeSettings(BaseModel):
                                "fetches from (its 'urls'): the proxy sends each item to the replica its id picks "
                                "(default: this server alone)", default_factory=list)
     advertise_url: str | None = flag("this server's URL as it appears in --replicas: its items are encoded in "
-                                     "process (default: every item goes over HTTP)", default=None)
+                                     "process (default: every item goes over HTTP; with --replicas-from, "
+                                     "http://$POD_IP at its PORT)", default=None)
+    replicas_from: str | None = flag("dns:NAME[:PORT]: the replicas are NAME's A and AAAA records (a headless "
+                                     "Service's ready pods), resolved again every few seconds, each at PORT "
+                                     "(default --port); this server's own address is POD_IP's; --replicas adds "
+                                     "fixed URLs (default none)", default=None)
     video_chunking: bool = flag("serve videos longer than --t-capture as exact chunks of t_capture temporal "
                                 "patches through graphs instead of eagerly (default off)", default=False)
     data_parallel: int | Literal["auto"] = flag("engines, one per GPU, each in its own process: a number, or auto "
@@ -189,6 +194,15 @@ class ServeSettings(BaseModel):
     def _urls(cls, value: Any) -> Any:
         return [str(u).strip().rstrip("/") for u in (_split_list(value) or []) if str(u).strip()]
 
+    @field_validator("replicas_from")
+    @classmethod
+    def _source(cls, value: str | None) -> str | None:
+        if value:
+            from service.handoff.membership import parse_source
+
+            parse_source(value, 1)  # the port is checked here, defaulted where the source is used
+        return value
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _hosts(cls, value: Any) -> Any:
@@ -200,7 +214,8 @@ class ServeSettings(BaseModel):
     def _level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("api_key", "served_model_name", "ec_shared_storage", "llm_url", "advertise_url", mode="before")
+    @field_validator("api_key", "served_model_name", "ec_shared_storage", "llm_url", "advertise_url", "replicas_from",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
@@ -235,7 +250,7 @@ class ServeSettings(BaseModel):
                              "per engine")
         if self.allow_url and not self.allowed_hosts:
             raise ValueError("--allow-url needs --allowed-hosts (VITSERVE_ALLOWED_HOSTS): a list of host names")
-        if self.advertise_url and self.advertise_url.rstrip("/") not in self.replicas:
+        if not self.replicas_from and self.advertise_url and self.advertise_url.rstrip("/") not in self.replicas:
             raise ValueError(f"--advertise-url {self.advertise_url} is not one of --replicas {','.join(self.replicas)}")
         if self.max_header_line_bytes > self.max_header_bytes:
             raise ValueError(f"--max-header-line-bytes {self.max_header_line_bytes} is over --max-header-bytes "

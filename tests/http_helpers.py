@@ -58,9 +58,9 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -142,17 +142,19 @@ class SubprocessServer:
     """`python -m service.http.server` in its own process (for signals), on a free loopback port."""
 
     def __init__(self, *flags: str, env: dict[str, str] | None = None, model: str | None = "tiny-qwen2-vl",
-                 batch_delay_ms: float = 0, launcher: str | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+                 batch_delay_ms: float = 0, host: str = "127.0.0.1", port: int | None = None,
+                 launcher: str | None = None, log_path: Path | None = None) -> None:
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
         defaults = ["--device", "cpu", "--dtype", "float32", "--max-batch-tokens", "1024",
-                    "--preprocess-workers", "2", "--log-level", "info", "--host", "127.0.0.1", "--cache-bytes", "0"]
+                    "--preprocess-workers", "2", "--log-level", "info", "--host", host, "--cache-bytes", "0"]
         if model is not None:
             defaults += ["--model", model]
-        # A slow engine is a test-only launcher, never a server flag (tests/hooks/slow_server.py); so are
-        # the other faults of tests/hooks/ (`launcher`).
+        # A slow engine is a test-only launcher, never a server flag (tests/hooks/slow_server.py); so are a
+        # hosts file (tests/hooks/hosts.py) and the broken paths of tests/hooks/broken_paths.py (`launcher`).
         module = launcher or ("tests.hooks.slow_server" if batch_delay_ms else "service.http.server")
         self.cmd = [sys.executable, "-m", module, *defaults, "--port", str(self.port), *flags]
+        self.log_path = log_path  # the server's output goes there instead of a pipe (a long test's logs)
         # Only this test's VITSERVE_* variables reach the server.
         base = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -160,10 +162,19 @@ class SubprocessServer:
                     "VITSERVE_TEST_BATCH_DELAY_MS": str(batch_delay_ms)}
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> SubprocessServer:
+    def start(self) -> SubprocessServer:
+        """The process, without waiting for it to be ready (servers that start side by side)."""
         # A session of its own: `terminate(group=True)` signals its processes and not the tests'.
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+        out = open(self.log_path, "w") if self.log_path is not None else subprocess.PIPE  # noqa: SIM115
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=out,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        if self.log_path is not None:
+            out.close()  # type: ignore[union-attr]
+        return self
+
+    def __enter__(self) -> SubprocessServer:
+        self.start()
+        assert self.proc is not None
         wait_ready(self.url, proc=self.proc)
         return self
 
@@ -184,6 +195,8 @@ class SubprocessServer:
     def wait(self, timeout: float = 60) -> tuple[int, str]:
         assert self.proc is not None
         out, _ = self.proc.communicate(timeout=timeout)
+        if self.log_path is not None:
+            out = self.log_path.read_text()
         return self.proc.returncode, out
 
     def __exit__(self, *exc: object) -> None:

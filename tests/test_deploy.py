@@ -359,6 +359,8 @@ VALUE_SETS: dict[str, Any] = {
     "connector": CONNECTOR_VALUES,
     "pvc": PVC_VALUES,
     "init-container": INIT_CONTAINER_VALUES,
+    "replicas-3": {"replicaCount": 3, "server": {"llmUrl": "http://vllm:8000"}},
+    "autoscaling": {"autoscaling": {"enabled": True}},
 }
 
 
@@ -404,6 +406,12 @@ def _one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = [o for o in objects if o["kind"] == kind]
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
     return found[0]
+
+
+def _service(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Service clients use (not the pods' headless one)."""
+    (service,) = [o for o in objects if o["kind"] == "Service" and o["spec"].get("clusterIP") != "None"]
+    return service
 
 
 def _vitserve_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
@@ -457,9 +465,12 @@ def test_expected_objects_per_value_set(rendered: dict[str, list[dict[str, Any]]
         "PodDisruptionBudget",
         "Secret",
         "Service",
+        "Service",
         "ServiceAccount",
         "ServiceMonitor",
     ]
+    assert kinds["replicas-3"] == ["Deployment", "Service", "Service", "ServiceAccount"]
+    assert kinds["autoscaling"] == ["Deployment", "HorizontalPodAutoscaler", "Service", "Service", "ServiceAccount"]
 
 
 TYPOS = [
@@ -474,6 +485,9 @@ TYPOS = [
     {"server": {"port": "eight-thousand"}},
     {"server": {"logLevel": "warn"}},
     {"server": {"maxPayloadBytes": 10}},
+    {"peerDiscovery": {"enabled": "yes"}},
+    {"peerDiscovery": {"dnsDomain": "cluster.local"}},
+    {"server": {"replicasFrom": "vit-peers:8000"}},
 ]
 
 
@@ -686,7 +700,7 @@ def test_full_values_optional_objects(rendered: dict[str, list[dict[str, Any]]])
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["spec"]["endpoints"][0]["port"] == "http"
-    service = _one(objects, "Service")
+    service = _service(objects)
     assert any(p["name"] == "http" for p in service["spec"]["ports"])
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
 
@@ -721,17 +735,18 @@ def test_sidecar_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
     (volume,) = [v for v in pod["volumes"] if v["name"] == "ec-cache"]
     limit = volume["emptyDir"]["sizeLimit"]
     assert limit.endswith("Gi") and int(env["VITSERVE_EC_MAX_BYTES"]) < int(limit[:-2]) * 2**30
-    service = _one(objects, "Service")
+    service = _service(objects)
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "openai"}
 
 
 def test_connector_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    """vitserve's OpenAI front before a vLLM on another node, joined by VitserveConnector over HTTP: the URL
-    the connector is given is the chart's Service, and vitserve forwards to vLLM's Service."""
+    """vitserve's OpenAI front before a vLLM on another node, joined by VitserveConnector over HTTP: clients
+    use the chart's Service, vitserve forwards to vLLM's Service, and the connector is given the pods'
+    headless Service by its short name (the same namespace), at the port the pods are given."""
     objects = rendered["connector"]
     (container,) = _one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    service = _one(objects, "Service")
+    service = _service(objects)
     vit_url = f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     assert container["ports"][0]["containerPort"] == 8100 and vit_url == "http://vitserve:8100"
     vllm_objects = list(yaml.safe_load_all(VLLM_CONNECTOR.read_text()))
@@ -741,8 +756,12 @@ def test_connector_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
     (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
     (flag,) = [a for a in vllm["args"] if a.startswith("--ec-transfer-config=")]
     config = json.loads(flag.split("=", 1)[1])
+    peers = _peers_service(objects)
+    source = f"dns:{peers['metadata']['name']}:{peers['spec']['ports'][0]['port']}"
+    assert source == "dns:vitserve-peers:8100"
     assert config == {"ec_connector": "VitserveConnector", "ec_connector_module_path": "service.handoff.vllm_connector",
-                      "ec_role": "ec_consumer", "ec_connector_extra_config": {"url": vit_url}}
+                      "ec_role": "ec_consumer", "ec_connector_extra_config": {"replicas_from": source}}
+    assert env["VITSERVE_REPLICAS_FROM"] == "dns:vitserve-peers.inference.svc.cluster.local:8100"  # the same
     assert vllm["image"].endswith(":v0.33.0")
     anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == "kubernetes.io/hostname"
@@ -751,12 +770,71 @@ def test_connector_example(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert int(env["VITSERVE_CACHE_BYTES"]) < int(shm_limit.removesuffix("Gi")) * 2**30  # the cache lives there
 
 
+def _notes(chart: Any, values: dict[str, Any] | None) -> str:
+    return next(text for path, text in _render(chart, values).items() if path.endswith("NOTES.txt"))
+
+
 def test_notes_render(chart: Any) -> None:
     for name in VALUE_SETS:
-        notes = next(
-            text for path, text in _render(chart, _values(name)).items() if path.endswith("NOTES.txt")
-        )
-        assert "/ready" in notes
+        assert "/ready" in _notes(chart, _values(name))
+
+
+def _peers_service(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (service,) = [o for o in objects if o["kind"] == "Service" and o["spec"].get("clusterIP") == "None"]
+    return service
+
+
+def _connector_config(notes: str) -> dict[str, Any]:
+    """The connector's --ec-transfer-config NOTES.txt prints."""
+    found = re.search(r"--ec-transfer-config '(\{.*\})'", notes)
+    assert found, notes
+    return json.loads(found.group(1))
+
+
+@pytest.mark.parametrize("name", ["replicas-3", "autoscaling", "connector", "full"])
+def test_scaled_out_pods_find_each_other(chart: Any, rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """More than one pod (replicaCount > 1, or an autoscaler): a headless Service lists the ready pods, every
+    pod is given its name and its own address with no per-pod value, and NOTES.txt prints the connector's
+    config naming the same source."""
+    objects = rendered[name]
+    deployment = _one(objects, "Deployment")
+    peers = _peers_service(objects)
+    assert peers["spec"]["publishNotReadyAddresses"] is False  # DNS follows readiness: a draining pod leaves
+    assert peers["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    container = _vitserve_container(objects)
+    port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
+    assert peers["spec"]["ports"] == [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"  # 503 from the drain's first moment
+    names = [e["name"] for e in container["env"]]
+    assert names.count("VITSERVE_REPLICAS_FROM") == 1 and names.count("POD_IP") == 1
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    source = env["VITSERVE_REPLICAS_FROM"]["value"]
+    assert source == f"dns:{peers['metadata']['name']}.inference.svc.cluster.local:{port}"
+    config = _connector_config(_notes(chart, _values(name)))
+    assert config["ec_connector"] == "VitserveConnector" and config["ec_role"] == "ec_consumer"
+    assert config["ec_connector_module_path"] == "service.handoff.vllm_connector"
+    assert config["ec_connector_extra_config"] == {"replicas_from": source}
+
+
+@pytest.mark.parametrize("name", ["default", "sidecar", "pvc"])
+def test_a_lone_pod_has_no_ring(chart: Any, rendered: dict[str, list[dict[str, Any]]], name: str) -> None:
+    objects = rendered[name]
+    assert not [o for o in objects if o["kind"] == "Service" and o["spec"].get("clusterIP") == "None"]
+    names = {e["name"] for e in _vitserve_container(objects)["env"]}
+    assert "VITSERVE_REPLICAS_FROM" not in names and "POD_IP" not in names
+    service = _service(objects)
+    url = f"http://{service['metadata']['name']}.inference.svc:{service['spec']['ports'][0]['port']}"
+    assert _connector_config(_notes(chart, _values(name)))["ec_connector_extra_config"] == {"url": url}
+
+
+def test_peer_discovery_can_be_forced_either_way(chart: Any) -> None:
+    one = _objects(_render(chart, {"peerDiscovery": {"enabled": True, "clusterDomain": "corp.example."}}))
+    env = {e["name"]: e.get("value") for e in _vitserve_container(one)["env"]}
+    assert env["VITSERVE_REPLICAS_FROM"] == "dns:vit-vitserve-peers.inference.svc.corp.example:8000"
+    off = _objects(_render(chart, {"replicaCount": 3, "peerDiscovery": {"enabled": False}}))
+    assert len([o for o in off if o["kind"] == "Service"]) == 1
+    assert "VITSERVE_REPLICAS_FROM" not in {e["name"] for e in _vitserve_container(off)["env"]}
 
 
 # --------------------------------------------------------------------------------------------------------

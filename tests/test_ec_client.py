@@ -46,7 +46,7 @@ def test_a_replica_that_does_not_answer_holds_none_of_its_ids():
     replicas = Replicas([dead], timeout=2)
     with pytest.raises(CheckIncomplete) as err:
         replicas.check(IDS[:3])
-    assert err.value.found == {i: False for i in IDS[:3]}
+    assert err.value.found == {i: None for i in IDS[:3]}
     with pytest.raises(FetchError):
         replicas.fetch(IDS[0])
 
@@ -56,7 +56,7 @@ def test_a_load_asks_again_a_replica_that_did_not_answer(monkeypatch):
 
     calls = []
 
-    def flaky(self, item_id):
+    def flaky(self, item_id, first=None):
         calls.append(item_id)
         if len(calls) < 3:
             raise FetchError("connection refused")
@@ -67,7 +67,7 @@ def test_a_load_asks_again_a_replica_that_did_not_answer(monkeypatch):
     loader = ec_client.Loader(Replicas(["http://127.0.0.1:1"]), "cpu")
     assert loader.load(IDS[0])[0] == "tensor" and len(calls) == 3
 
-    def gone(self, item_id):
+    def gone(self, item_id, first=None):
         calls.append(item_id)
         raise FetchError("HTTP 404", 404)
 

@@ -16,6 +16,8 @@ import httpx
 import pytest
 
 from service.handoff.ec_client import Loader, Replicas, check_output, replica_for
+from service.http.peers import Peers
+from service.metrics import Metrics
 from tests.http_helpers import QuietHandler, ServerThread, image_bytes, loopback_http_server, server_url, settings
 
 PNG = image_bytes(96, 64, seed=71)
@@ -185,8 +187,9 @@ def test_replicas_act_as_one_cache():
         llm.seen = []  # type: ignore[attr-defined]
         cfg = settings(model="tiny-qwen3-vl", llm_url=server_url(llm), cache_bytes=32 << 20)
         with ServerThread(cfg) as a, ServerThread(settings(model="tiny-qwen3-vl", cache_bytes=32 << 20)) as b:
-            proxy = a.app.state.openai_proxy
-            proxy.replicas, proxy.me = [a.url, b.url], a.url
+            # The fixed list as --replicas and --advertise-url give it (the ports are known only now).
+            ring = settings(model="tiny-qwen3-vl", replicas=[a.url, b.url], advertise_url=a.url)
+            a.app.state.service.peers = Peers(ring, Metrics())
             images = [image_bytes(64 + 8 * k, 64, seed=80 + k) for k in range(6)]
             r = httpx.post(a.url + "/v1/chat/completions", json=chat(*(image_part(i) for i in images)), timeout=60)
             assert r.status_code == 200, r.text
@@ -196,7 +199,7 @@ def test_replicas_act_as_one_cache():
             for u in uuids:
                 home = replica_for([a.url, b.url], u)
                 other = b.url if home == a.url else a.url
-                assert httpx.get(f"{home}/v1/encoder_cache/{u}").status_code == 200
+                assert httpx.get(f"{home}/v1/encoder_cache/{u}").status_code == 200, a.app.state.service.peers.info()
                 assert httpx.get(f"{other}/v1/encoder_cache/{u}").status_code == 404
             # As the connector loads them: the same list, each id from its replica, each answer checked.
             loader = Loader(Replicas([b.url, a.url]), "cpu")
@@ -204,3 +207,4 @@ def test_replicas_act_as_one_cache():
                 tensor, header = loader.load(u)
                 check_output(u, header, tensor.shape[0])
                 assert header["__metadata__"]["uuid"] == u
+            assert loader.replicas.found == {"home": 6, "elsewhere": 0, "missing": 0}

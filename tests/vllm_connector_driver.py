@@ -10,7 +10,8 @@ through vLLM's `ECConnectorFactory`, and makes the calls vLLM's scheduler and GP
 `ensure_cache_available` each step until it is ready, `has_cache_item`, `update_state_after_alloc`,
 `build_connector_meta` (pickled, as it crosses to the workers), then on the worker side
 `bind_connector_metadata`, `start_load_caches` and `clear_connector_metadata`. It writes the loaded tensors
-to the safetensors file the request names and prints one JSON report.
+to the safetensors file the request names and prints one JSON report. A chat may carry its own connector
+config (`extra`); with `hosts_file`, names in it resolve from that file (tests/hooks/hosts.py).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def run_chat(folder: str, extra: dict[str, Any], chat: dict[str, Any], tensors: 
     report["load_ms"] = (time.perf_counter() - started) * 1000
     worker.clear_connector_metadata()
     report["loaded"] = sorted(encoder_cache)
+    report["members"] = list(scheduler.replicas.membership.members)
+    report["found_by_check"] = {i: scheduler._known[i][2] for i in scheduler._known}
+    report["worker_found"] = dict(worker.replicas.found)
     for f in features:
         tensors[f"{chat['name']}.{f.identifier}"] = encoder_cache[f.identifier].contiguous()
     worker.shutdown()
@@ -117,11 +121,15 @@ def run_chat(folder: str, extra: dict[str, Any], chat: dict[str, Any], tensors: 
 
 def main() -> int:
     request = json.load(sys.stdin)
+    if request.get("hosts_file"):
+        from tests.hooks import hosts
+
+        hosts.install(request["hosts_file"])
     tensors: dict[str, torch.Tensor] = {}
     reports: dict[str, Any] = {}
     for chat in request["chats"]:
         try:
-            reports[chat["name"]] = run_chat(request["model_dir"], request["extra"], chat, tensors)
+            reports[chat["name"]] = run_chat(request["model_dir"], chat.get("extra", request["extra"]), chat, tensors)
         except Exception as exc:
             reports[chat["name"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                      "traceback": traceback.format_exc(limit=-8)}

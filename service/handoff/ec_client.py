@@ -1,18 +1,21 @@
-"""The LLM server's side of `GET /v1/encoder_cache/{id}`: which replica holds an id, asking replicas which ids
+"""The LLM server's side of `GET /v1/encoder_cache/{id}`: where an id's output is, asking replicas which ids
 they hold, and fetching one output as a tensor. Standard library only at import (torch is imported when a
-tensor is made): the vLLM connector (`vllm_connector`) runs this inside vLLM's processes, and the proxy
-(`service.http.openai`) uses `replica_for` to send each item to the replica the connector will ask.
+tensor is made): the vLLM connector (`vllm_connector`) runs this inside vLLM's processes.
 
-Replicas are picked by rendezvous hashing on the id: every process that has the same list of URLs picks the
-same replica for an id without talking to the others, and adding or removing a replica moves only the ids
-that it wins or held.
+The replicas are a `Membership` (a fixed list, and/or `dns:NAME[:PORT]` resolved again every few seconds),
+and an id's replicas are asked in its rendezvous order, as vitserve's OpenAI front orders them to place the
+id (`service.http.peers`): the replica that encoded it is the first, or, after a change of members, one of
+the next (a joining replica wins the id from it) or one that just left (it still holds its outputs while it
+drains). So a lookup asks the first MAX_TRIES of the order and then of the members that left, and no lookup
+fails while the replica holding the output is up. A replica that does not answer is asked last for DOWN_S
+seconds; a lookup that found nothing resolves the members again first when they may be stale.
 """
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
+import socket
 import struct
 import threading
 import time
@@ -20,11 +23,18 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from service.handoff.membership import Membership, normalise, replica_for
+
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["CheckIncomplete", "FetchError", "Loader", "Replicas", "check_output", "normalise", "replica_for"]
+
 DEFAULT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 2.0  # a member whose pod is gone may not refuse: its address just stops answering
 RETRY_S = (0.05, 0.25, 1.0)  # pauses before a load asks a replica that did not answer again
+MAX_TRIES = 3  # replicas of an id's order a lookup asks, before the members that left
+DOWN_S = 5.0  # a replica that did not answer is asked after the others for this long
 CHECK_PATH = "/v1/encoder_cache/check"
 TENSOR_KEY = "ec_cache"
 
@@ -37,46 +47,85 @@ class FetchError(RuntimeError):
         self.status = status
 
 
-def normalise(url: str) -> str:
-    return url.strip().rstrip("/")
-
-
-def replica_for(urls: Sequence[str], item_id: str) -> str:
-    """The replica that holds `item_id`: the URL with the highest hash of (URL, id)."""
-    if len(urls) == 1:
-        return normalise(urls[0])
-
-    def score(url: str) -> bytes:
-        return hashlib.blake2b(f"{normalise(url)}\0{item_id}".encode(), digest_size=8).digest()
-
-    return normalise(max(urls, key=score))
+def _connect(address: tuple[str, int], timeout: float, source_address: Any = None) -> socket.socket:
+    """A connection opened within CONNECT_TIMEOUT_S, then read with the full timeout."""
+    sock = socket.create_connection(address, min(timeout, CONNECT_TIMEOUT_S), source_address)
+    sock.settimeout(timeout)
+    return sock
 
 
 class Replicas:
-    """HTTP/1.1 keep-alive connections to the replicas, one per (thread, replica): a fetch reuses its thread's
-    connection, and a connection the server closed is opened again once."""
+    """The replicas of one ring, over HTTP/1.1 keep-alive connections, one per (thread, replica): a fetch
+    reuses its thread's connection, and a connection the server closed is opened again once. `found` counts
+    the fetches by where the output was: `home` (the id's own replica), `elsewhere`, `missing`."""
 
-    def __init__(self, urls: Sequence[str], api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        if not urls:
-            raise ValueError("no vitserve URL: set 'url' (or 'urls') in ec_connector_extra_config")
-        self.urls = [normalise(u) for u in urls]
+    def __init__(self, members: Sequence[str] | Membership, api_key: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if isinstance(members, Membership):
+            self.membership = members
+        elif not members:
+            raise ValueError("no vitserve URL: set 'url', 'urls' or 'replicas_from' in ec_connector_extra_config")
+        else:
+            self.membership = Membership(members)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
+        self.found = {"home": 0, "elsewhere": 0, "missing": 0}
+        self._down: dict[str, float] = {}  # replica -> until when it is asked last
+        self._lock = threading.Lock()
         self._local = threading.local()
 
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self.membership.members
+
     def replica_for(self, item_id: str) -> str:
-        return replica_for(self.urls, item_id)
+        order = self.membership.order(item_id)
+        if not order:
+            raise FetchError(f"no vitserve replica is known ({self.membership.source} has no address yet)")
+        return order[0]
+
+    def candidates(self, item_id: str, first: str | None = None) -> list[str]:
+        """Where to look for `item_id`, in order: `first` (where a check found it), the first MAX_TRIES of its
+        order, then of the members that left (the one that held it comes first among them: it beat them all in
+        the id's order); replicas that did not answer lately after the others."""
+        seen: dict[str, None] = {}
+        for url in ([normalise(first)] if first else []) + self.membership.order(item_id)[:MAX_TRIES] + \
+                self.membership.fallbacks(item_id)[:MAX_TRIES]:
+            seen.setdefault(url)
+        now = time.monotonic()
+        with self._lock:
+            down = {u for u in seen if self._down.get(u, 0.0) > now}
+        return [u for u in seen if u not in down] + [u for u in seen if u in down]
+
+    def _no_answer(self, url: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._down = {u: until for u, until in self._down.items() if until > now}
+            self._down[url] = now + DOWN_S
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.found[kind] += 1
 
     def _connection(self, url: str, fresh: bool = False) -> http.client.HTTPConnection:
         pool: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("pool", {})
         conn = pool.get(url)
+        if conn is None:
+            self._prune(pool)
         if conn is None or fresh:
             if conn is not None:
                 conn.close()
             parts = urllib.parse.urlsplit(url)
             kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
             conn = pool[url] = kind(parts.netloc, timeout=self.timeout)
+            conn._create_connection = _connect  # type: ignore[attr-defined]
         return conn
+
+    def _prune(self, pool: dict[str, http.client.HTTPConnection]) -> None:
+        """Close connections to replicas gone from the ring (pods come and go with new addresses)."""
+        if len(pool) > 2 * len(self.membership.members) + 8:
+            for url in [u for u in pool if u not in self.membership.members]:
+                pool.pop(url).close()
 
     def request(self, url: str, method: str, path: str, body: bytes | None = None,
                 headers: dict[str, str] | None = None,
@@ -115,39 +164,91 @@ class Replicas:
                 raise FetchError(f"{method} {url}{path}: {exc}") from None
         raise AssertionError("unreachable")
 
-    def check(self, ids: Sequence[str]) -> dict[str, bool]:
-        """Which of `ids` their replicas hold (one request per replica). A replica that answers no holds none
-        of its ids, and the error is raised after the others were asked."""
-        by_replica: dict[str, list[str]] = {}
-        for item_id in ids:
-            by_replica.setdefault(self.replica_for(item_id), []).append(item_id)
-        out: dict[str, bool] = {}
+    def check(self, ids: Sequence[str]) -> dict[str, str | None]:
+        """The replica that holds each of `ids` (None: none found). Each round asks every replica once about
+        the ids it is next for. A replica that does not answer holds none of its ids; when an id was found
+        nowhere and some replica did not answer, CheckIncomplete is raised after the others were asked."""
+        where: dict[str, str | None] = {i: None for i in ids}
+        todo = {i: self.candidates(i) for i in where}
+        asked: dict[str, set[str]] = {i: set() for i in where}
         error: FetchError | None = None
-        for url, some in by_replica.items():
-            try:
-                status, body = self.request(url, "POST", CHECK_PATH, json.dumps({"ids": some}).encode(),
-                                            {"Content-Type": "application/json"})
-                if status != 200:
-                    raise FetchError(f"POST {url}{CHECK_PATH}: HTTP {status}: {bytes(body[:300])!r}", status)
-                present = json.loads(body)["present"]
-                out.update(zip(some, (bool(p) for p in present)))
-            except (FetchError, ValueError, KeyError) as exc:
-                out.update((i, False) for i in some)
-                error = exc if isinstance(exc, FetchError) else FetchError(f"POST {url}{CHECK_PATH}: {exc}")
-        if error is not None:
-            raise CheckIncomplete(out, error)
-        return out
+        refreshed = False
+        while True:
+            by_replica: dict[str, list[str]] = {}
+            for item_id, left in todo.items():
+                if left:
+                    url = left.pop(0)
+                    asked[item_id].add(url)
+                    by_replica.setdefault(url, []).append(item_id)
+            if not by_replica:
+                missing = [i for i, url in where.items() if url is None]
+                if not missing or refreshed or not self.membership.refresh_if_stale():
+                    break
+                refreshed = True  # the members changed: the ids not found yet ask the new ones once
+                todo = {i: [u for u in self.candidates(i) if u not in asked[i]] for i in missing}
+                continue
+            for url, some in by_replica.items():
+                try:
+                    present = self._check_one(url, some)
+                except FetchError as exc:
+                    error = exc
+                    continue
+                for item_id, held in zip(some, present):
+                    if held:
+                        where[item_id] = url
+                        todo.pop(item_id, None)
+        if error is not None and any(url is None for url in where.values()):
+            raise CheckIncomplete(where, error)
+        return where
 
-    def fetch(self, item_id: str, buffer: Callable[[int], memoryview] | None = None
-              ) -> tuple[bytearray | memoryview, dict[str, Any]]:
-        """The safetensors body for `item_id` from its replica (read into `buffer(length)` when given), and its
-        parsed header."""
-        url = self.replica_for(item_id)
-        path = "/v1/encoder_cache/" + urllib.parse.quote(item_id, safe="")
-        status, body = self.request(url, "GET", path, buffer=buffer)
+    def _check_one(self, url: str, ids: list[str]) -> list[bool]:
+        try:
+            status, body = self.request(url, "POST", CHECK_PATH, json.dumps({"ids": ids}).encode(),
+                                        {"Content-Type": "application/json"})
+        except FetchError:
+            self._no_answer(url)
+            raise
         if status != 200:
-            raise FetchError(f"GET {url}{path}: HTTP {status}: {bytes(body[:300])!r}", status)
-        return body, parse_header(body)
+            raise FetchError(f"POST {url}{CHECK_PATH}: HTTP {status}: {bytes(body[:300])!r}", status)
+        try:
+            present = json.loads(body)["present"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FetchError(f"POST {url}{CHECK_PATH}: {exc}") from None
+        return [bool(p) for p in present]
+
+    def fetch(self, item_id: str, buffer: Callable[[int], memoryview] | None = None, first: str | None = None
+              ) -> tuple[bytearray | memoryview, dict[str, Any]]:
+        """The safetensors body for `item_id` (read into `buffer(length)` when given), and its parsed header:
+        from `first` (where a check found it) or the first replica of `candidates` that holds it. FetchError's
+        status is 404 when none does, 0 when the first one asked did not answer (it may be restarting)."""
+        path = "/v1/encoder_cache/" + urllib.parse.quote(item_id, safe="")
+        order = self.membership.order(item_id)
+        home = order[0] if order else None
+        asked: list[str] = []
+        first_unanswered: FetchError | None = None
+        for attempt in range(2):
+            for url in self.candidates(item_id, first) if attempt == 0 else \
+                    [u for u in self.candidates(item_id) if u not in asked]:
+                asked.append(url)
+                try:
+                    status, body = self.request(url, "GET", path, buffer=buffer)
+                except FetchError as exc:
+                    self._no_answer(url)
+                    if len(asked) == 1:
+                        first_unanswered = exc
+                    continue
+                if status == 200:
+                    self._count("home" if url == home else "elsewhere")
+                    return body, parse_header(body)
+                if status != 404:  # refused (401 and the like): asking elsewhere will not change it
+                    raise FetchError(f"GET {url}{path}: HTTP {status}: {bytes(body[:300])!r}", status)
+            if attempt or not self.membership.refresh_if_stale():
+                break
+        self._count("missing")
+        if first_unanswered is not None:
+            raise FetchError(f"{first_unanswered} (and no other replica holds {item_id})")
+        raise FetchError(f"no vitserve replica holds {item_id} (asked {', '.join(asked) or 'none: no member'})",
+                         404)
 
     def close(self) -> None:
         for conn in self._local.__dict__.get("pool", {}).values():
@@ -155,9 +256,9 @@ class Replicas:
 
 
 class CheckIncomplete(FetchError):
-    """Some replica did not answer a check: `found` holds every id's answer (False for that replica's)."""
+    """Some replica did not answer a check: `found` holds every id's replica (None where none was found)."""
 
-    def __init__(self, found: dict[str, bool], cause: FetchError) -> None:
+    def __init__(self, found: dict[str, str | None], cause: FetchError) -> None:
         super().__init__(str(cause), cause.status)
         self.found = found
 
@@ -232,22 +333,23 @@ class Loader:
             buf = self._local.staging = torch.empty(max(size, 4 << 20), dtype=torch.uint8, pin_memory=True)
         return buf
 
-    def load(self, item_id: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        """(the output on the device, the body's header). A replica that does not answer (restarting, a
-        connection reset) is asked again after RETRY_S pauses: the scheduler found the id there moments ago,
-        and a load that fails stops vLLM's step."""
+    def load(self, item_id: str, first: str | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(the output on the device, the body's header), from `first` (the replica the scheduler's check
+        found it on) or the next that holds it. A replica that does not answer (restarting, a connection
+        reset) is asked again after RETRY_S pauses: the scheduler found the id there moments ago, and a load
+        that fails stops vLLM's step."""
         for pause in RETRY_S:
             try:
-                return self._load(item_id)
+                return self._load(item_id, first)
             except FetchError as exc:
                 if exc.status:  # it answered: 404 and the like will not change
                     raise
                 time.sleep(pause)
-        return self._load(item_id)
+        return self._load(item_id, first)
 
-    def _load(self, item_id: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _load(self, item_id: str, first: str | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         if self.device == "cpu":
-            body, header = self.replicas.fetch(item_id)
+            body, header = self.replicas.fetch(item_id, first=first)
             return to_tensor(body, header), header
         used: list[torch.Tensor] = []
 
@@ -255,6 +357,6 @@ class Loader:
             used.append(self._staging(size))
             return memoryview(used[-1].numpy())
 
-        body, header = self.replicas.fetch(item_id, buffer)
+        body, header = self.replicas.fetch(item_id, buffer, first)
         tensor = to_tensor(body, header, used[0] if used else None)
         return tensor.to(self.device), header  # waits for the copy: the staging buffer is free again after

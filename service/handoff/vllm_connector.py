@@ -6,23 +6,28 @@ vLLM 0.33 loads it by module path (`vllm/config/ec_transfer.py`), in its schedul
         "ec_connector_module_path": "service.handoff.vllm_connector", "ec_role": "ec_consumer",
         "ec_connector_extra_config": {"url": "http://vitserve:8100"}}'
 
-`ec_connector_extra_config`: `url`, or `urls` (every vitserve replica: an id's replica is picked by rendezvous
-hashing, as vitserve's proxy picks it), `api_key` (vitserve's --api-key), `timeout_s` (per HTTP call, default
-10), `recheck_s` (how long an id found stays trusted without asking again, default 30: below vitserve's
---cache-hold-s, which each check renews). vitserve serves `vllm_ref` outputs from its encoder-output cache
-(`GET /v1/encoder_cache/{id}`), so no folder is shared: vLLM may run on another node.
+`ec_connector_extra_config`: `replicas_from` (`dns:NAME[:PORT]`, the name of vitserve's headless Service: its
+ready pods are the replicas, resolved again every few seconds, as vitserve's front resolves them; PORT
+defaults to 8000), and/or `url` or `urls` (fixed replica URLs); `api_key` (vitserve's --api-key),
+`timeout_s` (per HTTP call, default 10), `recheck_s` (how long an id found stays trusted without asking
+again, default 30: below vitserve's --cache-hold-s, which each check renews). An id is looked up on the
+replicas in its rendezvous order (`ec_client`), as vitserve's front placed it. vitserve serves `vllm_ref`
+outputs from its encoder-output cache (`GET /v1/encoder_cache/{id}`), so no folder is shared: vLLM may run on
+another node.
 
 Scheduler side (the engine core's loop, which must not wait on the network):
 - `ensure_cache_available(request)`: the request's ids not known yet are queued for a check, and the request
   waits (False) until they are known. A thread asks the replicas about everything queued in one request per
-  replica (`POST /v1/encoder_cache/check`), so a step costs no round trip and a burst costs one per replica.
+  replica (`POST /v1/encoder_cache/check`), so a step costs no round trip and a burst costs one per replica;
+  an id not found on its replica is asked of the next ones in its order.
   A request with an id no replica holds is failed through `take_unavailable_requests` (vLLM finishes it with
   an error; with metadata-only parts it has nothing to encode itself), instead of reaching the worker.
 - `has_cache_item(id)`: whether the check found it (no I/O).
 - `update_state_after_alloc` / `build_connector_meta`: the step's ids to load with their placeholder
-  lengths, handed to the workers in `VitserveConnectorMetadata`.
+  lengths and the replica each was found on, handed to the workers in `VitserveConnectorMetadata`.
 
-Worker side: `start_load_caches` fetches the step's outputs (`GET /v1/encoder_cache/{id}`, in parallel on
+Worker side: `start_load_caches` fetches the step's outputs (`GET /v1/encoder_cache/{id}` from the replica the
+check found it on, else the next in the id's order that holds it, in parallel on
 keep-alive connections), checks each (the tensor `ec_cache`, the content id it names, at least as many rows
 as the placeholder: vLLM's runner slices without checking) and puts it on the worker's device in vLLM's
 encoder cache. vLLM casts it to the model's dtype when it merges it.
@@ -49,6 +54,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from service.handoff.ec_client import CheckIncomplete, Loader, Replicas, check_output
+from service.handoff.membership import Membership, parse_source
 
 if TYPE_CHECKING:
     import torch
@@ -61,12 +67,14 @@ log = logging.getLogger("vitserve.vllm_connector")
 PRESENT, MISSING, PENDING = "present", "missing", "pending"
 MAX_KNOWN = 1 << 16  # ids whose answer the scheduler side remembers, newest last
 LOAD_THREADS = 8
+DEFAULT_PORT = 8000  # vitserve's default --port, for a replicas_from without one
 
 
 @dataclass
 class LoadItem:
     identifier: str
     rows: int  # the placeholder's embeddings: the fewest rows the output may have
+    url: str | None = None  # the replica the scheduler's check found it on
 
 
 @dataclass
@@ -82,18 +90,15 @@ class VitserveConnector(ECConnectorBase):
         config = vllm_config.ec_transfer_config
         assert config is not None  # the base class refuses a config without it
         extra = config.ec_connector_extra_config or {}
-        urls = extra.get("urls") or ([extra["url"]] if extra.get("url") else [])
-        if isinstance(urls, str):
-            urls = [u for u in urls.replace(",", " ").split() if u]
-        self.replicas = Replicas(urls, extra.get("api_key"), float(extra.get("timeout_s", 10.0)))
+        self.replicas = Replicas(membership_from(extra), extra.get("api_key"), float(extra.get("timeout_s", 10.0)))
         self.recheck_s = float(extra.get("recheck_s", 30.0))
         # scheduler side
-        self._known: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (state, when found)
+        self._known: OrderedDict[str, tuple[str, float, str | None]] = OrderedDict()  # id -> (state, when, where)
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._checker: threading.Thread | None = None
         self._unavailable: set[str] = set()
-        self._to_load: dict[str, int] = {}
+        self._to_load: dict[str, tuple[int, str | None]] = {}
         # worker side
         self._loader: ThreadPoolExecutor | None = None
         self._device_loader: Loader | None = None
@@ -106,7 +111,7 @@ class VitserveConnector(ECConnectorBase):
             known = self._known.get(identifier)
             if known is None:
                 return None
-            state, when = known
+            state, when, _ = known
             if state == PRESENT and time.monotonic() - when > self.recheck_s:
                 del self._known[identifier]
                 return None
@@ -114,7 +119,7 @@ class VitserveConnector(ECConnectorBase):
 
     def _ask(self, identifier: str) -> None:
         with self._lock:
-            self._known[identifier] = (PENDING, time.monotonic())
+            self._known[identifier] = (PENDING, time.monotonic(), None)
             self._known.move_to_end(identifier)
             while len(self._known) > MAX_KNOWN:
                 self._known.popitem(last=False)
@@ -144,9 +149,9 @@ class VitserveConnector(ECConnectorBase):
                 found = exc.found
             now = time.monotonic()
             with self._lock:
-                for identifier, present in found.items():
+                for identifier, where in found.items():
                     if identifier in self._known:
-                        self._known[identifier] = (PRESENT if present else MISSING, now)
+                        self._known[identifier] = (PRESENT if where else MISSING, now, where)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         ready = True
@@ -180,10 +185,12 @@ class VitserveConnector(ECConnectorBase):
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         identifier = request.mm_features[index].identifier
         if self.is_consumer and self.has_cache_item(identifier):
-            self._to_load[identifier] = request.get_num_encoder_embeds(index)
+            with self._lock:
+                where = self._known[identifier][2] if identifier in self._known else None
+            self._to_load[identifier] = (request.get_num_encoder_embeds(index), where)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> VitserveConnectorMetadata:
-        meta = VitserveConnectorMetadata([LoadItem(i, rows) for i, rows in self._to_load.items()])
+        meta = VitserveConnectorMetadata([LoadItem(i, rows, url) for i, (rows, url) in self._to_load.items()])
         self._to_load = {}
         return meta
 
@@ -203,10 +210,10 @@ class VitserveConnector(ECConnectorBase):
         started = time.perf_counter()
         loader = self._worker_loader()
         if loader.device == "cpu":
-            tensor, header = loader.load(item.identifier)
+            tensor, header = loader.load(item.identifier, item.url)
         else:
             with _sync_allowed():
-                tensor, header = loader.load(item.identifier)
+                tensor, header = loader.load(item.identifier, item.url)
         check_output(item.identifier, header, item.rows)
         self.fetches += 1
         self.fetch_seconds += time.perf_counter() - started
@@ -236,6 +243,24 @@ class VitserveConnector(ECConnectorBase):
         if self._loader is not None:
             self._loader.shutdown(wait=False)
         self.replicas.close()
+        self.replicas.membership.close()
+
+
+def membership_from(extra: dict[str, Any]) -> Membership:
+    """The ring of `ec_connector_extra_config`: `replicas_from` and/or `url` / `urls`, resolved once now (the
+    first check must find the replicas) and then every few seconds on a thread."""
+    urls = extra.get("urls") or ([extra["url"]] if extra.get("url") else [])
+    if isinstance(urls, str):
+        urls = [u for u in urls.replace(",", " ").split() if u]
+    spec = extra.get("replicas_from")
+    source = parse_source(str(spec), DEFAULT_PORT) if spec else None
+    if source is None and not urls:
+        raise ValueError("no vitserve replica: set 'replicas_from' (dns:NAME[:PORT]), 'url' or 'urls' in "
+                         "ec_connector_extra_config")
+    membership = Membership(urls, source)
+    membership.refresh()
+    membership.start()
+    return membership
 
 
 def _sync_allowed() -> Any:

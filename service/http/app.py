@@ -28,6 +28,7 @@ from service.http.errors import (
     validation_error,
 )
 from service.http.fronts import FrontRole, ask_siblings, merge_expositions
+from service.http.peers import Peers
 from service.http.schemas import (
     EncodeRequest,
     EncodeResponse,
@@ -83,10 +84,14 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
     metrics = metrics or (engine.metrics if engine else Metrics())
     engine = engine or Engine(settings, metrics)
     service = Service(settings, engine, metrics)
+    if settings.replicas or settings.replicas_from:
+        service.peers = Peers(settings, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.handoff.start()
+        if service.peers is not None:
+            service.peers.start()
         if start_engine and engine.state == "starting":
             engine.start()
         lag_watch = asyncio.create_task(watch_event_loop(metrics.loop_lag_seconds))
@@ -99,6 +104,8 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
                 await service.fetcher.close()
             for close in service.closers:
                 await close()
+            if service.peers is not None:
+                await service.peers.close()
             engine.stop()
             service.handoff.stop()
 
@@ -180,8 +187,9 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
         except ApiError as exc:
             return exc.response()
         fronts = {"front": {"index": front.index, "of": front.count, "pid": os.getpid()}} if front is not None else {}
+        replicas = {"replicas": service.peers.info()} if service.peers is not None else {}
         return JSONResponse({"version": VERSION, **engine.info(), "cache": service.handoff.info(),
-                             "settings": settings.public_dict(), **fronts})
+                             "settings": settings.public_dict(), **fronts, **replicas})
 
     encoder_cache.install(app, service, front)
     if settings.llm_url:

@@ -66,6 +66,8 @@ def install(app: FastAPI, service: Service, front: FrontRole | None) -> None:
             service.check_auth(request)
         except ApiError as exc:
             return exc.response()
+        if service.peers is not None:
+            service.peers.fetched()
         present = [service.handoff.holds(i) for i in body.ids]
         missing = [i for i, p in zip(body.ids, present) if not p]
         if missing and front is not None and front.count > 1 and scope != "front":
@@ -81,6 +83,8 @@ def install(app: FastAPI, service: Service, front: FrontRole | None) -> None:
                  404: {"description": "no output under this id (never made, or evicted)"}})
     async def encoder_cache(item_id: str, request: Request, scope: str = "server") -> Response:
         started = time.perf_counter()
+        if service.peers is not None:
+            service.peers.fetched()
         try:
             service.check_auth(request)
             parts, done = await local_body(service, item_id)

@@ -9,9 +9,10 @@ request goes to `<llm-url>/v1/chat/completions` and its answer comes back as it 
 that describe it, and a `text/event-stream` chunk by chunk as the LLM server sends it. A request without media
 is forwarded byte for byte. `GET /v1/models` is forwarded.
 
-With `--replicas`, each item is encoded on the replica its content id picks (`ec_client.replica_for`, the
-connector's rule): this server's own items in process (`--advertise-url`), the others through their
-`/encode` with the content id as the item's id, so that N replicas act as one cache.
+With `--replicas` or `--replicas-from`, each item is encoded on the replica its content id picks, the first
+of the id's rendezvous order that answers (`service.http.peers`, the connector's order): this server's own
+items in process, the others through their `/encode` with the content id as the item's id, so that N
+replicas act as one cache.
 
 Errors are OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`); an error the LLM server answered
 is passed on with its own status and body. vitserve's --api-key applies to these routes, and the client's
@@ -30,15 +31,14 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import pybase64
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.engine.types import ItemResult
-from service.handoff.ec_client import replica_for
 from service.handoff.vllm import handed_off, reference_part
 from service.http.errors import ApiError, ClientGone, server_fault
 from service.http.parsing import Parsed, Pending, check_count, decode_media
+from service.http.peers import ReplicaUnavailable
 from service.http.schemas import OutputOptions
 
 if TYPE_CHECKING:
@@ -75,8 +75,6 @@ class Proxy:
         settings = service.settings
         assert settings.llm_url
         self.llm_url = settings.llm_url.rstrip("/")
-        self.replicas = settings.replicas
-        self.me = settings.advertise_url.rstrip("/") if settings.advertise_url else None
         # The LLM server takes as long as generation takes: no read deadline (the client's own applies).
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=None), trust_env=False,
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
@@ -151,69 +149,60 @@ class Proxy:
                 async with asyncio.timeout(service.settings.request_timeout_s):
                     await service.resolve_urls(Parsed(pendings, OutputOptions(encoding_format="vllm_ref")))
                     items = [p.media() for p in pendings]
-                    here, away = list(range(len(items))), {}
-                    if self.replicas:
-                        cids = await service.handoff.content_ids(items, model, service.run_in_pool)
-                        here, away = [], {}
-                        for i, cid in enumerate(cids):
-                            url = replica_for(self.replicas, cid)
-                            if url == self.me:
-                                here.append(i)
-                            else:
-                                items[i].id = cid  # the remote names the output by this id: the one vLLM asks for
-                                away.setdefault(url, []).append(i)
+                    peers = service.peers
+                    cids = await service.handoff.content_ids(items, model, service.run_in_pool) if peers else []
+                    tried: list[set[str]] = [set() for _ in items]  # peers that did not answer, per item
                     parts: list[dict[str, Any] | None] = [None] * len(items)
                     hits = 0
 
-                    async def local() -> None:
+                    async def local(indices: list[int]) -> None:
                         nonlocal hits
-                        if not here:
-                            return
                         results: list[ItemResult] = await service.handoff.encode(
-                            [items[i] for i in here], "vllm_ref", model, lambda todo: engine.encode(todo, owner),
+                            [items[i] for i in indices], "vllm_ref", model, lambda todo: engine.encode(todo, owner),
                             service.run_in_pool)
                         try:
-                            for i, r in zip(here, results):
+                            for i, r in zip(indices, results):
                                 assert r.uuid is not None
                                 parts[i] = reference_part(r.modality, r.grid_thw, r.meta, r.uuid, engine.family,
                                                           model.processor.temporal_patch_size, i)
                                 hits += r.cached
                         finally:
                             service.handoff.release(results)
+                        if peers:
+                            cached = sum(r.cached for r in results)
+                            peers.count(here=cached, encoded=len(results) - cached)
 
                     async def remote(url: str, indices: list[int]) -> None:
                         nonlocal hits
-                        got, cached = await self.encode_remote(request, url, [items[i] for i in indices])
+                        assert peers is not None
+                        for i in indices:
+                            items[i].id = cids[i]  # the remote names the output by this id: the one vLLM asks for
+                        try:
+                            got, cached = await peers.encode(url, [items[i] for i in indices],
+                                                             request.headers.get("authorization"))
+                        except ReplicaUnavailable as exc:
+                            peers.mark_down(url, str(exc), len(indices))
+                            for i in indices:
+                                tried[i].add(url)
+                            await place(indices)
+                            return
                         hits += cached
                         for i, part in zip(indices, got):
                             parts[i] = part
 
-                    await asyncio.gather(local(), *(remote(u, ix) for u, ix in away.items()))
+                    async def place(indices: list[int]) -> None:
+                        """Each item to the replica its id picks (None: here), in one call per replica."""
+                        groups: dict[str | None, list[int]] = {}
+                        for i in indices:
+                            groups.setdefault(peers.place(cids[i], tried[i]) if peers else None, []).append(i)
+                        await asyncio.gather(*(local(ix) if url is None else remote(url, ix)
+                                               for url, ix in groups.items()))
+
+                    await place(list(range(len(items))))
             except BaseException:
                 engine.cancel(owner)
                 raise
         return parts, hits  # type: ignore[return-value]
-
-    async def encode_remote(self, request: Request, url: str, items: list[Any]) -> tuple[list[dict[str, Any]], int]:
-        """The items encoded by the replica at `url` (its /encode, vllm_ref, the content ids as ids)."""
-        body = {"encoding_format": "vllm_ref", "items": [
-            {"type": it.modality, it.modality: pybase64.b64encode(it.data).decode(), "id": it.id, **it.options}
-            for it in items]}
-        headers = {"authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
-        try:
-            r = await self.client.post(url + "/encode", json=body, headers=headers,
-                                       timeout=self.service.settings.request_timeout_s)
-        except httpx.HTTPError as exc:
-            raise ApiError(502, "bad_gateway", f"replica {url} did not answer: {exc}", "replica_unreachable") from None
-        if r.status_code != 200:
-            try:
-                err = r.json()["error"]
-            except (ValueError, KeyError, TypeError):
-                err = {"message": r.text[:500], "type": "replica_error", "code": None}
-            raise ApiError(r.status_code, err.get("type") or "replica_error",
-                           f"replica {url}: {err.get('message')}", err.get("code"))
-        data = r.json()["data"]
-        return [e["content_part"] for e in data], int(r.headers.get("x-vitserve-cache-hits", 0))
 
     async def chat(self, request: Request) -> Response:
         service = self.service

@@ -4,8 +4,10 @@ With several fronts (`--fronts`), this process binds the port and supervises one
 engine (`run_fronts`; fronts.py says how they share the port, /metrics and /ready).
 
 On the first SIGTERM (or Ctrl-C) the server keeps listening: /ready turns 503 and new /encode calls
-get 503 while admitted requests run to completion (at most --request-timeout-s); then uvicorn shuts
-down gracefully and the process exits 0. A second signal exits at once.
+get 503 while admitted requests run to completion (at most --request-timeout-s); a replica of a ring
+(--replicas, --replicas-from) then keeps answering the LLM server's encoder-cache fetches until they stop
+(`Peers.linger`, within the same bound); then uvicorn shuts down gracefully and the process exits 0. A
+second signal exits at once.
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
         await self.service.drain(self.drain_timeout)
+        if self.service.peers is not None:  # out of the ring now, but the LLM server may still fetch from here
+            await self.service.peers.linger(deadline)
         self.should_exit = True
 
     def fatal(self, reason: str) -> None:

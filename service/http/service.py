@@ -32,6 +32,7 @@ from service.http.errors import (
     too_large,
 )
 from service.http.parsing import Parsed, parse_json_request, parse_multipart
+from service.http.peers import Peers
 from service.http.responses import PartsResponse, json_parts, take_segment
 from service.http.urls import UrlFetcher
 from service.metrics import Metrics
@@ -52,6 +53,7 @@ class Service:
         metrics.attach_cache(self.handoff.stats)
         self.fetcher: UrlFetcher | None = None
         self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown (the LLM proxy's client)
+        self.peers: Peers | None = None  # the other replicas (--replicas, --replicas-from)
         self._api_key = settings.api_key_bytes()
         # Large request bodies are parsed off the event loop's turn (`parses_here`).
         self._parsers = ThreadPoolExecutor(2, thread_name_prefix="vitserve-parse")

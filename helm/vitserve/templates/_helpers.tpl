@@ -137,3 +137,30 @@ switches that are on by default, which false turns off).
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+"true" when the pods find each other through the headless Service (one encoder cache across them):
+peerDiscovery.enabled, or with "auto" whenever there can be more than one pod.
+*/}}
+{{- define "vitserve.peerDiscovery" -}}
+{{- $mode := .Values.peerDiscovery.enabled }}
+{{- if kindIs "bool" $mode }}
+{{- if $mode }}true{{ end }}
+{{- else if or .Values.autoscaling.enabled (gt (int64 .Values.replicaCount) 1) }}true{{ end }}
+{{- end }}
+
+{{- define "vitserve.peersServiceName" -}}
+{{- printf "%s-peers" (include "vitserve.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- end }}
+
+{{/*
+The ring's source, for the pods and for vLLM's connector alike: server.replicasFrom as given, else the
+headless Service's fully qualified name at the container port ("" when the pods do not find each other).
+*/}}
+{{- define "vitserve.replicasFrom" -}}
+{{- if .Values.server.replicasFrom }}
+{{- .Values.server.replicasFrom }}
+{{- else if include "vitserve.peerDiscovery" . }}
+{{- printf "dns:%s.%s.svc.%s:%d" (include "vitserve.peersServiceName" .) .Release.Namespace (trimSuffix "." .Values.peerDiscovery.clusterDomain) (int64 .Values.server.port) }}
+{{- end }}
+{{- end }}
