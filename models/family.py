@@ -103,3 +103,18 @@ def register(family: Family) -> Family:
         raise ValueError(f"model_type {family.model_type!r} is registered twice")
     FAMILIES[family.model_type] = family
     return family
+
+
+class ConfigView:
+    """A config read with some attributes given or renamed: `ConfigView(vision, in_channels=3)` answers
+    `in_channels` with 3 and everything else from `vision`. For a family whose vision config names a value
+    otherwise than the shared tower reads it, or keeps it elsewhere in the model's config."""
+
+    def __init__(self, config: Any, **values: Any) -> None:
+        self._config, self._values = config, values
+
+    def __getattr__(self, name: str) -> Any:
+        values, config = self.__dict__.get("_values"), self.__dict__.get("_config")
+        if values is None:  # not initialised (a copy being made)
+            raise AttributeError(name)
+        return values[name] if name in values else getattr(config, name)
