@@ -78,6 +78,9 @@ class Family:
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
     # none, so its hand-off part keeps the media and names the cached encoder output by uuid.
     vllm_embedding_parts: bool = True
+    # The media vLLM 0.33 takes for the family as vitserve encodes them: none where vLLM does not serve the
+    # family, images alone where its videos take a path of their own; the others' parts carry a warning.
+    vllm_media: tuple[str, ...] = ("image", "video")
     # transformers' class of the whole model (what save_pretrained writes; the reference in tests and bench)
     hf_class: str = ""
     # The tower class; a family with parts of its own gives a subclass of models.tower.QwenTower.

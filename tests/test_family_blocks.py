@@ -223,6 +223,24 @@ def test_served_end_to_end(served):
         assert torch.equal(got, runner.encode([visual])[0].embeds)
 
 
+def test_vllm_parts_say_what_vllm_does_not_take(served):
+    """vLLM 0.33 does not serve LFM3-VL, and takes dots3-note's images only as media (its processor declares
+    pixel fields only) and its videos as a prompt of its own: each part says so."""
+    name, _, _, srv = served
+    items = [{"type": "image", "image": b64(image_bytes(64, 64, seed=5))},
+             {"type": "video", "video": b64(make_video(4, fps=2, width=64, height=64))}]
+    with srv.client() as c:
+        r = c.post("/encode", json={"items": items, "encoding_format": "vllm"})
+    assert r.status_code == 200, r.text
+    image, video = r.json()["data"]
+    if name == "tiny-lfm3-vl":
+        unserved = ["vLLM 0.33 does not serve LFM3-VL: no vLLM model takes this part"]
+        assert image["warnings"] == video["warnings"] == unserved
+    else:
+        assert "takes no image_embeds parts" in image["warnings"][0]
+        assert "builds a prompt of its own for a video" in video["warnings"][0]
+
+
 def test_the_benchmarks_reference_carries_the_towers_weights(checkpoint):
     """`vitserve bench` and the GPU parity tests compare a preset's tower with transformers' model built
     around the same weights; for these families transformers renames tensors between checkpoints and

@@ -96,4 +96,5 @@ LFM3_VL = register(Family(
     # transformers' save_pretrained layout; a checkpoint saved from the bare model lacks the `model.`
     prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
     hf_class="Lfm3VlForConditionalGeneration", tower=Lfm3Tower,
+    vllm_media=(),  # vLLM 0.33 serves LFM2-VL, not LFM3-VL
 ))
