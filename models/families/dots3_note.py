@@ -69,7 +69,7 @@ def dots3_dims(cfg: Any) -> Dims:
 
 
 DOTS3_NOTE = register(Family(
-    "dots3_note", "dots3-note", prefixes=("vision_encoder.",), dims=dots3_dims, video_sampling="qwen3",
+    "dots3_note", "dots3-note", prefixes=("vision_encoder.",), dims=dots3_dims, mlp="gated", video_sampling="qwen3",
     hf_class="Dots3NoteForConditionalGeneration", tower=Dots3Tower,
     # vLLM 0.33's processor declares pixel fields only (its `vllm_ref` is the media part with the uuid) and
     # builds its own prompt for a video: frames as images between timestamps, with the audio

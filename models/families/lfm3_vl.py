@@ -92,7 +92,7 @@ def lfm3_dims(cfg: Any) -> Dims:
 
 
 LFM3_VL = register(Family(
-    "lfm3_vl", "LFM3-VL", config_path=(), dims=lfm3_dims, video_sampling="qwen3",
+    "lfm3_vl", "LFM3-VL", config_path=(), dims=lfm3_dims, mlp="gated", video_sampling="qwen3",
     # transformers' save_pretrained layout; a checkpoint saved from the bare model lacks the `model.`
     prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
     hf_class="Lfm3VlForConditionalGeneration", tower=Lfm3Tower,
