@@ -78,6 +78,9 @@ class Family:
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
     # none, so its hand-off part keeps the media and names the cached encoder output by uuid.
     vllm_embedding_parts: bool = True
+    # The media vLLM 0.33 takes for the family as vitserve encodes them: none where vLLM does not serve the
+    # family, images alone where its videos take a path of their own; the others' parts carry a warning.
+    vllm_media: tuple[str, ...] = ("image", "video")
     # transformers' class of the whole model (what save_pretrained writes; the reference in tests and bench)
     hf_class: str = ""
     # The tower class; a family with parts of its own gives a subclass of models.tower.QwenTower.
@@ -103,3 +106,18 @@ def register(family: Family) -> Family:
         raise ValueError(f"model_type {family.model_type!r} is registered twice")
     FAMILIES[family.model_type] = family
     return family
+
+
+class ConfigView:
+    """A config read with some attributes given or renamed: `ConfigView(vision, in_channels=3)` answers
+    `in_channels` with 3 and everything else from `vision`. For a family whose vision config names a value
+    otherwise than the shared tower reads it, or keeps it elsewhere in the model's config."""
+
+    def __init__(self, config: Any, **values: Any) -> None:
+        self._config, self._values = config, values
+
+    def __getattr__(self, name: str) -> Any:
+        values, config = self.__dict__.get("_values"), self.__dict__.get("_config")
+        if values is None:  # not initialised (a copy being made)
+            raise AttributeError(name)
+        return values[name] if name in values else getattr(config, name)

@@ -272,6 +272,9 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
     if image is None:
         raise FileNotFoundError(f"{folder} has neither preprocessor_config.json nor a processor_config.json "
                                 "holding an image_processor")
+    if "patch_size" not in image and isinstance(image.get("vision_config"), dict):
+        # a folder laid out for vLLM's dots3-note processor, which reads the image settings from this section
+        image = image["vision_config"]
     video = nested.get("video_processor") or _read_json(folder / "video_preprocessor_config.json")
     spec = FAMILIES.get(family)
     # transformers' video processors (Qwen3-VL's, GLM's) read preprocessor_config.json when theirs is missing;

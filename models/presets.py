@@ -28,6 +28,16 @@ GLM_VIDEO_PRE = {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 470
 GLM41V_VISION = dict(depth=24, hidden_size=1536, intermediate_size=13696, out_hidden_size=4096, num_heads=12,
                      patch_size=14, image_size=336, spatial_merge_size=2, temporal_patch_size=2,
                      rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False)
+# LFM3-VL: Qwen2-VL's image processor and Qwen3-VL's video processor with its 16-pixel patches.
+LFM3_PRE = {**QWEN3_PRE}
+LFM3_VIDEO_PRE = {**QWEN3_VIDEO_PRE}
+LFM3_VL_VISION = dict(hidden_size=1024, intermediate_size=2560, num_hidden_layers=14, num_attention_heads=16,
+                      num_key_value_heads=8, patch_size=16, conv_kernel_size=3)
+# dots3-note: single-frame patch rows (temporal_patch_size 1) of 14 pixels.
+DOTS3_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 1, "min_pixels": 3136, "max_pixels": 11289600}
+DOTS3_VIDEO_PRE = {**DOTS3_PRE, "size": {"shortest_edge": 3136, "longest_edge": 25165824}, "fps": 2}
+DOTS3_VISION = dict(hidden_size=1536, intermediate_size=4224, num_hidden_layers=42, num_attention_heads=24,
+                    patch_size=14, moe_intermediate_size=2112, adapter_in_dim=1536, adapter_out_dim=5120)
 
 
 # Kimi-K2.x (transformers' Kimi_K25 processors' defaults) and Muse (MuseGlimmer's processors' defaults).
@@ -56,6 +66,11 @@ class Preset:
     vision: dict[str, Any]  # vision_config kwargs
     preprocessor: dict[str, Any]
     video_preprocessor: dict[str, Any] | None = None
+    # Beside the vision config, where a tower reads from the whole model's config (a projector outside the
+    # vision model): the text config's fields that differ from full_config's tiny one (its width is such a
+    # tower's output width) and the whole config's own fields.
+    text: dict[str, Any] | None = None
+    outer: dict[str, Any] | None = None
 
 
 # Released vision configs (config.json's vision_config) by family.
@@ -168,6 +183,32 @@ PRESETS: dict[str, Preset] = {
                                 {**MUSE_VIDEO_PRE, "max_video_frame_tokens": 64, "num_frames": 16}),
     "tiny-muse-spark": Preset("muse_spark", TINY_MUSE, {**MUSE_PRE, "max_image_tokens": 256},
                               {**MUSE_VIDEO_PRE, "max_video_frame_tokens": 64, "num_frames": 16}),
+    # LFM3-VL-2B's vision config (its config class's defaults), projector and language model widths.
+    "random:lfm3-vl-2b": Preset(
+        "lfm3_vl", LFM3_VL_VISION, LFM3_PRE, LFM3_VIDEO_PRE, text={"hidden_size": 2048},
+        outer={"projector_hidden_size": 4096},
+    ),
+    # Conv, conv, attention, conv: both block kinds, grouped key/value heads, a merged-token width of its own.
+    "tiny-lfm3-vl": Preset(
+        "lfm3_vl",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             patch_size=16),
+        {**LFM3_PRE, "size": {"shortest_edge": 65536, "longest_edge": 1048576}},
+        {**LFM3_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 4194304}},
+        text={"hidden_size": 48}, outer={"projector_hidden_size": 72},
+    ),
+    # dots3-note's vision config (its config class's defaults: experts in the last 17 of 42 blocks, 4 to 64
+    # of them, top-2), merged into the language model's 5120.
+    "random:dots3-note": Preset("dots3_note", DOTS3_VISION, DOTS3_PRE, DOTS3_VIDEO_PRE),
+    # A dense block, then blocks of 4 and 6 experts with top-2 routing.
+    "tiny-dots3-note": Preset(
+        "dots3_note",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, patch_size=14,
+             moe_intermediate_size=32, adapter_in_dim=64, adapter_out_dim=48, pyramid_num_routed=[-1, 4, 6],
+             capacity_factor=2),
+        {**DOTS3_PRE, "max_pixels": 1003520},
+        {**DOTS3_VIDEO_PRE, "size": {"shortest_edge": 3136, "longest_edge": 4014080}},
+    ),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -199,6 +240,11 @@ def full_config(preset: Preset):
         text["rope_parameters"] = rope
     if preset.family == "glm4v_moe":  # a small mixture: the text part is never run, only written
         text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+    if family == "lfm3_vl":  # LFM3's text config: no M-RoPE; its padding token id is beyond this vocabulary
+        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, pad_token_id=None)
+    if family == "dots3_note":
+        return dots3_config(preset)
+    text.update(preset.text or {})
     if family in ("qwen2_5_omni", "qwen3_omni_moe"):
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
                      output_dim=64, n_window=4, max_source_positions=64)
@@ -207,7 +253,8 @@ def full_config(preset: Preset):
             return AutoConfig.for_model(preset.family, **thinker)
         return AutoConfig.for_model(family, enable_audio_output=False, thinker_config=thinker)
     return AutoConfig.for_model(
-        preset.family, vision_config=preset.vision, text_config=text, bos_token_id=None, eos_token_id=None
+        preset.family, vision_config=preset.vision, text_config=text, bos_token_id=None, eos_token_id=None,
+        **(preset.outer or {}),
     )
 
 def kimi_muse_config(preset: Preset):
@@ -236,6 +283,24 @@ def kimi_muse_config(preset: Preset):
     merge = vision.get("merge_size", 2)
     return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text, projector_hidden_size=projector,
                                 out_hidden_size=vision["hidden_size"] * merge * merge, **extra)
+
+
+def dots3_config(preset: Preset):
+    """dots3-note's whole config: a tiny text model of its own kind (latent attention, routed experts) and a
+    tiny audio encoder, both as wide as the vision adapter's output, as the config requires."""
+    from transformers import AutoConfig
+
+    width = preset.vision.get("adapter_out_dim", 5120)
+    text = dict(hidden_size=width, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=256, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                shared_experts_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                qk_nope_head_dim=8, v_head_dim=8, head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=2,
+                use_sliding_window=False, **{k: v for k, v in (preset.text or {}).items() if k != "hidden_size"})
+    audio = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, feature_size=16,
+                 downsample_hidden_size=8, adapter_input_size=32, adapter_out_dim=width)
+    return AutoConfig.for_model(preset.family, vision_config=preset.vision, text_config=text, audio_config=audio,
+                                **(preset.outer or {}))
 
 
 # What `vitserve bench` runs by default, and the other families' presets it names in its help (`--models`

@@ -46,6 +46,24 @@ def reference_features(model, pixels: torch.Tensor, grids) -> tuple[torch.Tensor
     return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
 
+def checkpoint_vision_shapes(model, family: str, renamed: bool = True) -> dict[str, tuple[int, ...]]:
+    """The vision tensors of transformers' `model` as the loader reads them from what its save_pretrained writes:
+    names without the family's prefixes, shapes. `renamed=False`: the model's own names, before transformers'
+    renames on saving."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    if renamed:
+        state = revert_weight_conversion(model, state)
+    prefixes = FAMILIES[family].prefixes
+    out = {}
+    for key, tensor in state.items():
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        if prefix is not None:
+            out[key[len(prefix) :]] = tuple(tensor.shape)
+    return out
+
+
 def write_checkpoint(preset_name: str, folder: Path, seed: int = 0, max_shard_size: str | None = None):
     """save_pretrained of the ForConditionalGeneration class plus its preprocessor config."""
     model = reference_model(preset_name, seed)

@@ -5,6 +5,7 @@ DeepStack where the family has it, both key layouts, a sharded checkpoint."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -207,20 +208,23 @@ def test_full_size_parameter_counts_match_transformers(preset):
     import transformers
 
     from models.config import ProcessorConfig
-    from tests.checkpoints import CLASSES, visual_of
+    from tests.checkpoints import CLASSES, checkpoint_vision_shapes, visual_of
 
     p = PRESETS[preset]
     cfg = full_config(p)
     processor = ProcessorConfig.from_dicts(p.family, p.preprocessor)
     ours = build_tower(p.family, SPECS[p.family].vision_config(cfg), processor, "sdpa")
     with torch.device("meta"):
-        ref = visual_of(getattr(transformers, CLASSES[p.family])._from_config(cfg))
-    count = lambda m: sum(x.numel() for x in m.parameters())  # noqa: E731
-    assert count(ours) == count(ref)
-    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == {
-        k: tuple(v.shape) for k, v in ref.state_dict().items()
-    }
-    assert count(ours) > 400e6
+        model = getattr(transformers, CLASSES[p.family])._from_config(cfg)
+    shapes = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    # what save_pretrained writes of the vision model (where transformers renames tensors on saving, as for
+    # LFM3-VL and dots3-note, under those names), read as the loader reads it
+    assert shapes == checkpoint_vision_shapes(model, p.family)
+    if checkpoint_vision_shapes(model, p.family, renamed=False) == shapes:  # no renames: the same parameters
+        ref = visual_of(model)
+        count = lambda m: sum(x.numel() for x in m.parameters())  # noqa: E731
+        assert count(ours) == count(ref)
+    assert sum(math.prod(s) for s in shapes.values()) > 150e6
 
 
 def test_metadata_is_host_only_and_padded(checkpoint):

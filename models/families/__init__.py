@@ -3,9 +3,11 @@
 
 from models.families import (  # noqa: F401  (registration)
     cohere_compass,
+    dots3_note,
     exaone4_5,
     glm4v,
     kimi_k25,
+    lfm3_vl,
     muse_glimmer,
     muse_spark,
     qwen2_5_omni,

@@ -182,6 +182,8 @@ def hf_visual(tower):
     dtype = next(tower.parameters()).dtype
     with torch.device("meta"):
         model = getattr(transformers, tower.spec.hf_class)._from_config(cfg, dtype=dtype)
+    if not set(tower.state_dict()) <= set(vision_module(model).state_dict()):
+        return hf_visual_converted(tower, model, cfg)
     visual = vision_module(model).to_empty(device=dev)
     visual.load_state_dict(tower.state_dict(), strict=False)
     for m in visual.modules():  # non-persistent rotary buffers were left empty by to_empty
@@ -191,15 +193,52 @@ def hf_visual(tower):
     return visual.eval()
 
 
+def hf_visual_converted(tower, meta_model, cfg):
+    """transformers' vision model carrying the tower's weights, where transformers renames tensors between its
+    checkpoints and its modules (LFM3-VL, dots3-note): the tower's state dict under the checkpoint's full names
+    (as the meta model's save_pretrained would write them), loaded by from_pretrained with its conversions."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    full_names = {}
+    for key in revert_weight_conversion(meta_model, meta_model.state_dict()):
+        prefix = next((p for p in tower.spec.prefixes if key.startswith(p)), None)
+        if prefix is not None:
+            full_names[key[len(prefix) :]] = key
+    state = {full_names[k]: v.cpu() for k, v in tower.state_dict().items()}
+    param = next(tower.parameters())
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its report lists the text model's weights, left random
+    try:
+        model = getattr(transformers, tower.spec.hf_class).from_pretrained(
+            None, config=cfg, state_dict=state, dtype=param.dtype, attn_implementation="sdpa")
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return vision_module(model).to(param.device).eval()
+
+
 def vision_module(model) -> torch.nn.Module:
-    """The vision model inside a transformers model (the Omni models keep it in their thinker)."""
-    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual"):
+    """The vision model inside a transformers model (the Omni models keep it in their thinker; LFM3-VL and
+    dots3-note call it `vision_tower`, and LFM3-VL's projector sits beside it: both as one module)."""
+    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_tower"):
         found = model
         for name in path.split("."):
             found = getattr(found, name, None)
         if found is not None:
-            return found
+            projector = getattr(getattr(model, "model", None), "multi_modal_projector", None)
+            return ProjectedVision(found, projector) if path == "model.vision_tower" and projector else found
     raise AttributeError(f"no vision model in {type(model).__name__}")
+
+
+class ProjectedVision(torch.nn.Module):
+    """A vision model and the projector the model runs on its last hidden state, called as one."""
+
+    def __init__(self, vision: torch.nn.Module, projector: torch.nn.Module) -> None:
+        super().__init__()
+        self.vision, self.projector = vision, projector
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.projector(self.vision(pixel_values, grid_thw=grid_thw, **kwargs).last_hidden_state)
 
 
 def hf_outputs(out) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -173,8 +173,23 @@ def content_part(r: ItemView, fmt: str, family: str, temporal_patch_size: int = 
     return embeds_part(r, family, temporal_patch_size)
 
 
+def unserved(r: ItemView, family: str) -> list[str]:
+    """A warning where vLLM 0.33 takes no output of this item's kind for the family (models/family.py)."""
+    from models.families import FAMILIES
+
+    spec = FAMILIES.get(family)
+    if spec is None or r.modality in spec.vllm_media:
+        return []
+    if not spec.vllm_media:
+        return [f"vLLM 0.33 does not serve {spec.title}: no vLLM model takes this part"]
+    return [f"vLLM 0.33's {spec.title} builds a prompt of its own for a {r.modality} and does not take this "
+            f"{r.modality}'s output: hand it to vLLM as media, not as vitserve's output"]
+
+
 def warnings(r: ItemView, family: str, fmt: str = "vllm_ref") -> list[str]:
     """What vLLM will not see as this server computed it."""
+    if unserved(r, family):
+        return unserved(r, family)
     if fmt == "vllm" and not takes_embedding_parts(family):
         return [f"vLLM 0.33's processor for {family} takes no {r.modality}_embeds parts (it reads them as media and "
                 "fails): hand this item off with encoding_format vllm_ref, its media part and this uuid, to vLLM "
