@@ -30,6 +30,18 @@ GLM41V_VISION = dict(depth=24, hidden_size=1536, intermediate_size=13696, out_hi
                      rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False)
 
 
+PADDLEOCR_VL_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                          image_size=384, patch_size=14, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh")
+PADDLEOCR_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 1,
+                 "size": {"shortest_edge": 384 * 384, "longest_edge": 1536 * 1536}}
+COSMOS3_EDGE_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           patch_size=16, num_patches=256, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh")
+COSMOS3_EDGE_PRE = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 1, "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}}
+COSMOS3_EDGE_VIDEO_PRE = {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 64 * 64, "longest_edge": 24 * 1024 * 1024},
+                          "fps": 2, "min_frames": 4, "max_frames": 768}
+
+
 @dataclass(frozen=True)
 class Preset:
     family: str  # transformers model_type of the full model
@@ -133,6 +145,29 @@ PRESETS: dict[str, Preset] = {
         {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
         {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
     ),
+    # PaddleOCR-VL(-1.5): the released vision config (PaddleOCRVisionConfig's defaults) and ERNIE-4.5-0.3B's
+    # width; `out_hidden_size` is the language model's (full_config moves it there). The processor's class
+    # defaults (CLIP mean and std, 384*384 to 1536*1536 pixels).
+    "random:paddleocr-vl": Preset("paddleocr_vl", {**PADDLEOCR_VL_VISION, "out_hidden_size": 1024}, PADDLEOCR_PRE),
+    # Cosmos3-Edge: Cosmos3EdgeVisionConfig's and Cosmos3EdgeConfig's defaults, the released sizes.
+    "random:cosmos3-edge": Preset(
+        "cosmos3_edge", {**COSMOS3_EDGE_VISION, "out_hidden_size": 2048, "projector_hidden_size": 11520},
+        COSMOS3_EDGE_PRE, COSMOS3_EDGE_VIDEO_PRE,
+    ),
+    # 8x8 position tables, so test grids are both larger and smaller than them.
+    "tiny-paddleocr-vl": Preset(
+        "paddleocr_vl",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=112,
+             patch_size=14, out_hidden_size=80),
+        {**PADDLEOCR_PRE, "size": {"shortest_edge": 3136, "longest_edge": 401408}},
+    ),
+    "tiny-cosmos3-edge": Preset(
+        "cosmos3_edge",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, patch_size=16,
+             num_patches=64, out_hidden_size=80, projector_hidden_size=112),
+        {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 4096, "longest_edge": 524288}},
+        {**COSMOS3_EDGE_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 2097152}},
+    ),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -162,6 +197,14 @@ def full_config(preset: Preset):
         text["rope_parameters"] = rope
     if preset.family == "glm4v_moe":  # a small mixture: the text part is never run, only written
         text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+    if family in ("paddleocr_vl", "cosmos3_edge"):  # the projector's widths live outside the vision config
+        vision = dict(preset.vision)
+        text["hidden_size"] = vision.pop("out_hidden_size")
+        top = {k: vision.pop(k) for k in ("projector_hidden_size",) if k in vision}
+        if family == "cosmos3_edge":  # its text config checks that M-RoPE covers half the head
+            text.update(head_dim=16, rope_parameters={**rope, "mrope_section": [4, 2, 2]})
+        return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text, bos_token_id=None,
+                                    eos_token_id=None, **top)
     if family in ("qwen2_5_omni", "qwen3_omni_moe"):
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
                      output_dim=64, n_window=4, max_source_positions=64)

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.cuda
 FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b",
         "random:qwen3-vl-30b-a3b", "random:qwen3.5-27b", "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b",
         "random:exaone-4.5-33b"]
+FULL += ["random:paddleocr-vl", "random:cosmos3-edge"]
 DEV = torch.device("cuda")
 
 

@@ -3,8 +3,10 @@
 
 from models.families import (  # noqa: F401  (registration)
     cohere_compass,
+    cosmos3_edge,
     exaone4_5,
     glm4v,
+    paddleocr_vl,
     qwen2_5_omni,
     qwen2_5_vl,
     qwen2_vl,
