@@ -130,7 +130,8 @@ class VisualInput:
     """One preprocessed image or video.
 
     pixels: uint8 [t*h*w, C*T*P*P] in the reference processor's row order (merge blocks
-    contiguous), not yet rescaled or normalised. grid_thw: (t, h, w) in patches.
+    contiguous unless the family's processor keeps rows row-major: `ProcessorConfig.patch_order`), not yet
+    rescaled or normalised. grid_thw: (t, h, w) in patches.
     """
 
     modality: Modality

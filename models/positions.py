@@ -2,9 +2,12 @@
 
 A square table of `side` x `side` embeddings is resampled to each frame's patch grid: bilinearly with
 align_corners=True (Qwen3-VL), or bicubically at the patch centres with align_corners=False and the
-border clamped (GLM-4.1V: transformers' `grid_sample(mode="bicubic")`). The resampling is metadata:
-table indices and weights per patch (4, or 16 for bicubic), built on the CPU in float32 in merge-block
-order, so the device does one weighted gather and a graph replays it from static buffers.
+border clamped (GLM-4.1V: transformers' `grid_sample(mode="bicubic")`), bilinearly at the patch centres
+(PaddleOCR-VL), or with F.interpolate's antialiased bilinear (Cosmos3-Edge, SigLIP2). The resampling is
+metadata: table indices and weights per patch (4, or 16 for bicubic), or for the antialiased kind dense
+row and column weights, built on the CPU in float32 in the rows' order (merge blocks, or row-major with a
+merge of 1), so the device does one weighted gather (or one product) and a graph replays it from static
+buffers.
 """
 
 from __future__ import annotations

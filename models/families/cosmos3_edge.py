@@ -33,7 +33,7 @@ COSMOS3_EDGE = register(Family(
     renames=((".self_attn.to_q.", ".self_attn.q_proj."), (".self_attn.to_k.", ".self_attn.k_proj."),
              (".self_attn.to_v.", ".self_attn.v_proj."), (".mlp.up_proj.", ".mlp.fc1."),
              (".mlp.down_proj.", ".mlp.fc2.")),
-    image_sizing="glm4v", video_sampling="qwen3", image_processor="Cosmos3EdgeImageProcessor",
+    image_sizing="glm4v", video_sampling="qwen3", video_timestamps=True, image_processor="Cosmos3EdgeImageProcessor",
     patch_layout="hwc",
     processor_defaults={"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2,
                         "image_mean": IMAGENET_STANDARD, "image_std": IMAGENET_STANDARD},
