@@ -203,7 +203,7 @@ class ReferenceFeatures(torch.nn.Module):
         super().__init__()
         inner = model.model
         visual = inner.visual
-        self.visual = getattr(visual, "vision_model", visual)
+        self.visual = getattr(visual, "vision_model", visual)  # PaddleOCR-VL's wraps its transformer once more
         self.projector = inner.projector
         self._whole = [model]  # a list: not a submodule
         self._features = features
