@@ -48,6 +48,13 @@ class ProcessorConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     video: VideoConfig = field(default_factory=VideoConfig)
+    # How the family's processor lays out pixel rows (the family's, not the checkpoint's: see `from_dicts`).
+    # patch_layout, the values of one row: "chw" = (channel, temporal, patch row, patch col), the Qwen-VL
+    # processors' Conv3d order; "hwc" = (patch row, patch col, channel, temporal), SigLIP2-style Linear patches.
+    # patch_order, an item's rows: "block" = each merge block's patches contiguous, blocks row-major;
+    # "raster" = patches row-major (the tower merges blocks itself).
+    patch_layout: str = "chw"
+    patch_order: str = "block"
 
     @property
     def factor(self) -> int:
@@ -65,16 +72,29 @@ class ProcessorConfig:
         return (x - mean) / std
 
     def channel_vectors(self) -> tuple[np.ndarray, np.ndarray]:
-        """Mean and std laid out along one patch row (C, T, P, P)."""
-        per_channel = self.temporal_patch_size * self.patch_size**2
-        mean = np.repeat(np.asarray(self.image_mean, np.float32), per_channel)
-        std = np.repeat(np.asarray(self.image_std, np.float32), per_channel)
-        return mean, std
+        """Mean and std laid out along one patch row: (C, T, P, P), or (P, P, C, T) for "hwc" rows."""
+        mean = np.asarray(self.image_mean, np.float32)
+        std = np.asarray(self.image_std, np.float32)
+        if self.patch_layout == "hwc":
+            spread = lambda v: np.tile(np.repeat(v, self.temporal_patch_size), self.patch_size**2)  # noqa: E731
+        else:
+            spread = lambda v: np.repeat(v, self.temporal_patch_size * self.patch_size**2)  # noqa: E731
+        return spread(mean), spread(std)
 
     @classmethod
     def from_dicts(
         cls, family: str, image: dict[str, Any], video: dict[str, Any] | None = None
     ) -> ProcessorConfig:
+        """From a checkpoint's processor configs. A registered family (models.families) contributes its
+        processor class's row layout and the defaults that class holds for keys a config may leave out."""
+        from models.family import FAMILIES  # torch-free; filled once models.families is imported
+
+        spec = FAMILIES.get(family)
+        rows: dict[str, Any] = {}
+        if spec is not None:
+            rows = {"patch_layout": spec.patch_layout, "patch_order": spec.patch_order}
+            image = {**spec.processor_defaults, **image}
+            video = None if video is None else {**spec.processor_defaults, **video}
         size = image.get("size") or {}
         min_pixels = image.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels
         max_pixels = image.get("max_pixels") or size.get("longest_edge") or cls.max_pixels
@@ -101,6 +121,7 @@ class ProcessorConfig:
             min_pixels=int(min_pixels),
             max_pixels=int(max_pixels),
             video=video_cfg,
+            **rows,
         )
 
 
@@ -109,7 +130,8 @@ class VisualInput:
     """One preprocessed image or video.
 
     pixels: uint8 [t*h*w, C*T*P*P] in the reference processor's row order (merge blocks
-    contiguous), not yet rescaled or normalised. grid_thw: (t, h, w) in patches.
+    contiguous unless the family's processor keeps rows row-major: `ProcessorConfig.patch_order`), not yet
+    rescaled or normalised. grid_thw: (t, h, w) in patches.
     """
 
     modality: Modality

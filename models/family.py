@@ -41,8 +41,14 @@ class Family:
     # Where things are: the vision config's path inside the model config, and the prefixes of the vision
     # tensors in the checkpoints (releases and transformers' save_pretrained; tried in order, only these
     # tensors are read).
+    # An empty path hands the tower the whole model's config (a projector outside the vision model reads its
+    # sizes there). A prefix may be a pair (checkpoint prefix, the tower's prefix for it), the tower's prefix
+    # None to leave those tensors unread (heads a release carries that the served path never runs).
     config_path: tuple[str, ...] = ("vision_config",)
-    prefixes: tuple[str, ...] = ("model.visual.", "visual.")
+    prefixes: tuple[str | tuple[str, str | None], ...] = ("model.visual.", "visual.")
+    # Parts of tensor names to replace, (checkpoint's, tower's), after the prefix: where transformers renames
+    # tensors as it loads and writes the reverse names with save_pretrained.
+    renames: tuple[tuple[str, str], ...] = ()
     dims: Callable[[Any], Dims] = standard_dims
     # The tower's parts.
     norm: Literal["layer", "rms"] = "layer"  # every norm of the tower
@@ -75,6 +81,11 @@ class Family:
     vllm_video_seconds: float | None = None
     # transformers' image processor class whose output the server reproduces (the reference in tests)
     image_processor: str = "Qwen2VLImageProcessor"
+    # How that processor lays out pixel rows (models/config.py ProcessorConfig.patch_layout / patch_order), and
+    # the defaults its class holds for patch, merge and normalisation keys a preprocessor_config.json may omit.
+    patch_layout: Literal["chw", "hwc"] = "chw"
+    patch_order: Literal["block", "raster"] = "block"
+    processor_defaults: dict[str, Any] = field(default_factory=dict)
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
     # none, so its hand-off part keeps the media and names the cached encoder output by uuid.
     vllm_embedding_parts: bool = True

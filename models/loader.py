@@ -87,12 +87,16 @@ def load_tower(
     return tower.eval().requires_grad_(False)
 
 
-def _random_tower(name: str, preset: Preset, dev: torch.device, dt: torch.dtype, backend: str, seed: int):
+def preset_tower(preset: Preset, backend: str) -> QwenTower:
+    """A preset's tower on the meta device."""
     from models.presets import full_config
 
-    cfg = full_config(preset)
     processor = family_processor_config(preset.family, preset.preprocessor, preset.video_preprocessor)
-    tower = build_tower(preset.family, family_of(preset.family).vision_config(cfg), processor, backend)
+    return build_tower(preset.family, family_of(preset.family).vision_config(full_config(preset)), processor, backend)
+
+
+def _random_tower(name: str, preset: Preset, dev: torch.device, dt: torch.dtype, backend: str, seed: int):
+    tower = preset_tower(preset, backend)
     tower.to_empty(device=dev)
     init_random(tower, seed)
     tower.to(dt)
@@ -150,7 +154,7 @@ def _one_line(exc: BaseException) -> str:
 def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend: str) -> QwenTower:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, backend)
-    tensors = read_vision_tensors(folder, FAMILIES[family].prefixes)
+    tensors = read_vision_tensors(folder, FAMILIES[family].prefixes, FAMILIES[family].renames)
     tower.to_empty(device=dev).to(dt)
     load_state(tower, tensors, folder)  # copies, converting to the serving dtype
     tower.reset_buffers()
@@ -169,7 +173,7 @@ def check_model(model: str) -> str:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, "sdpa")  # on the meta device: shapes only
     try:
-        shapes = vision_tensor_shapes(folder, FAMILIES[family].prefixes)
+        shapes = vision_tensor_shapes(folder, FAMILIES[family].prefixes, FAMILIES[family].renames)
     except (OSError, ValueError) as exc:  # safetensors' own errors are both
         raise CheckpointError(f"{folder}: the safetensors cannot be read: {_one_line(exc)}") from None
     problems = weight_problems({k: tuple(v.shape) for k, v in tower.state_dict().items()}, shapes)
@@ -187,12 +191,7 @@ def check_attention(model: str, device: str, dtype: str, attention: str) -> None
     if attention == "auto":
         return
     if model in PRESETS:
-        from models.presets import full_config
-
-        preset = PRESETS[model]
-        processor = ProcessorConfig.from_dicts(preset.family, preset.preprocessor, preset.video_preprocessor)
-        tower = build_tower(preset.family, family_of(preset.family).vision_config(full_config(preset)), processor,
-                            "sdpa")
+        tower = preset_tower(PRESETS[model], "sdpa")
     else:
         tower = build_tower(*_read_checkpoint_config(Path(model)), "sdpa")
     problem = backend_problem(attention, dev.type, dt, tower.head_dim)
@@ -200,11 +199,31 @@ def check_attention(model: str, device: str, dtype: str, attention: str) -> None
         raise ValueError(problem)
 
 
-def checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
+Prefixes = tuple[str | tuple[str, str | None], ...]  # models.family.Family.prefixes
+Renames = tuple[tuple[str, str], ...]  # models.family.Family.renames
+
+
+def tower_name(key: str, prefixes: Prefixes, renames: Renames = ()) -> str | None:
+    """The tower's name for checkpoint tensor `key`: after the first prefix it starts with, that prefix
+    replaced by the tower's ("" for a plain prefix), then each of `renames` (old, new) replaced where it
+    occurs; None for a tensor the tower does not read."""
+    for prefix in prefixes:
+        source, target = (prefix, "") if isinstance(prefix, str) else prefix
+        if key.startswith(source):
+            if target is None:
+                return None
+            name = target + key[len(source) :]
+            for old, new in renames:
+                name = name.replace(old, new)
+            return name
+    return None
+
+
+def checkpoint_files(folder: Path, prefixes: Prefixes) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
+        names = sorted({f for k, f in weight_map.items() if tower_name(k, prefixes) is not None})
         files = [folder / n for n in names]
     else:
         files = sorted(folder.glob("*.safetensors"))
@@ -214,27 +233,26 @@ def checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def read_vision_tensors(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def read_vision_tensors(folder: Path, prefixes: Prefixes, renames: Renames = ()) -> dict[str, torch.Tensor]:
     """Vision tensors keyed without their prefix, read lazily (text, audio and other weights are never loaded)."""
-    return _read_vision(folder, prefixes, lambda f, key: f.get_tensor(key))
+    return _read_vision(folder, prefixes, lambda f, key: f.get_tensor(key), renames)
 
 
-def vision_tensor_shapes(folder: Path, prefixes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+def vision_tensor_shapes(folder: Path, prefixes: Prefixes, renames: Renames = ()) -> dict[str, tuple[int, ...]]:
     """The vision tensors' shapes, from the safetensors headers alone."""
-    return _read_vision(folder, prefixes, lambda f, key: tuple(f.get_slice(key).get_shape()))
+    return _read_vision(folder, prefixes, lambda f, key: tuple(f.get_slice(key).get_shape()), renames)
 
 
-def _read_vision(folder: Path, prefixes: tuple[str, ...], read: Any) -> dict[str, Any]:
+def _read_vision(folder: Path, prefixes: Prefixes, read: Any, renames: Renames = ()) -> dict[str, Any]:
     from safetensors import safe_open
 
     out: dict[str, Any] = {}
     for path in checkpoint_files(folder, prefixes):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                for prefix in prefixes:
-                    if key.startswith(prefix):
-                        out[key[len(prefix) :]] = read(f, key)
-                        break
+                name = tower_name(key, prefixes, renames)
+                if name is not None:
+                    out[name] = read(f, key)
     return out
 
 

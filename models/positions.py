@@ -2,9 +2,12 @@
 
 A square table of `side` x `side` embeddings is resampled to each frame's patch grid: bilinearly with
 align_corners=True (Qwen3-VL), or bicubically at the patch centres with align_corners=False and the
-border clamped (GLM-4.1V: transformers' `grid_sample(mode="bicubic")`). The resampling is metadata:
-table indices and weights per patch (4, or 16 for bicubic), built on the CPU in float32 in merge-block
-order, so the device does one weighted gather and a graph replays it from static buffers.
+border clamped (GLM-4.1V: transformers' `grid_sample(mode="bicubic")`), bilinearly at the patch centres
+(PaddleOCR-VL), or with F.interpolate's antialiased bilinear (Cosmos3-Edge, SigLIP2). The resampling is
+metadata: table indices and weights per patch (4, or 16 for bicubic), or for the antialiased kind dense
+row and column weights, built on the CPU in float32 in the rows' order (merge blocks, or row-major with a
+merge of 1), so the device does one weighted gather (or one product) and a graph replays it from static
+buffers.
 """
 
 from __future__ import annotations
@@ -115,3 +118,84 @@ def resample_float32(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torc
     """Each patch's position embedding in float32 (the reference resamples a float32 copy of the table):
     a weighted sum of its table rows in one kernel, without a [patches, taps, dim] intermediate."""
     return F.embedding_bag(meta["interp_idx"], table.float(), per_sample_weights=meta["interp_w"], mode="sum")
+
+
+# ---- bilinear at patch centres, align_corners=False (PaddleOCR-VL) ----------------------------------
+
+
+def _half_pixel_axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two table indices and weights per position along one axis: the patch centre (index + 0.5) * side / size
+    - 0.5 in float32, in that order as transformers' `get_vision_interpolation_indices_and_weights` computes
+    it, taps clamped to the border (a centre before the first cell reads the first cell twice)."""
+    src = (index.astype(np.float32) + np.float32(0.5)) * np.float32(side) / np.float32(size) - np.float32(0.5)
+    floor = np.floor(src)
+    offsets = np.arange(2, dtype=np.float32)
+    taps = floor.astype(np.int64)[:, None] + np.arange(2)
+    weights = np.clip(np.float32(1) - np.abs(src[:, None] - floor[:, None] - offsets), 0, None)
+    return np.clip(taps, 0, side - 1), weights.astype(np.float32)
+
+
+@lru_cache(maxsize=GRID_CACHE_SIZE)
+def half_pixel_frame_taps(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Table indices and weights [h*w, 4] of one frame's patches for bilinear resampling with
+    align_corners=False, in merge-block order (merge 1: row-major) (read-only)."""
+    pos = block_order_positions(h, w, merge)
+    row_taps, row_w = _half_pixel_axis_taps(pos[:, 0], h, side)
+    col_taps, col_w = _half_pixel_axis_taps(pos[:, 1], w, side)
+    idx = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
+    wts = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4)
+    return frozen(idx), frozen(wts)
+
+
+def half_pixel_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int) -> dict[str, np.ndarray]:
+    """interp_idx / interp_w [patches, 4] (read by `resample`)."""
+    return tap_metadata(grids, cap, 4, lambda h, w: half_pixel_frame_taps(h, w, merge, side))
+
+
+# ---- antialiased bilinear (Cosmos3-Edge, SigLIP2) --------------------------------------------------
+#
+# F.interpolate(mode="bilinear", align_corners=False, antialias=True) widens its triangle filter by the
+# downsampling ratio, so a patch reads more table cells the smaller its frame: every cell of an axis for a
+# frame two patches wide. Its weights are separable; each patch carries a dense row of weights per axis
+# ([patches, side] twice, the same shape for any frame), and the device forms the outer product and
+# multiplies it with the table: sync-free at a fixed capacity whatever the ratio.
+
+
+@lru_cache(maxsize=GRID_CACHE_SIZE)
+def antialias_axis_weights(size: int, side: int) -> np.ndarray:
+    """[size, side] float32: the weight of each of `side` table cells in each of `size` outputs along one axis,
+    exactly as torch's CPU kernel computes them in float32: it resamples a one-hot table along its rows, and
+    the weights themselves come out. (Two rows kept as they are: torch 2.13's antialiased kernel gives wrong
+    values for a dimension of one.)"""
+    with torch.no_grad():
+        eye = torch.eye(side, dtype=torch.float32).view(1, side, 1, side).expand(1, side, 2, side).contiguous()
+        out = F.interpolate(eye, size=(2, size), mode="bilinear", align_corners=False, antialias=True)
+    return frozen(out[0, :, 0, :].T.contiguous().numpy())
+
+
+@lru_cache(maxsize=GRID_CACHE_SIZE // 4)
+def antialias_frame_weights(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row and column weights [h*w, side] of one frame's patches, in merge-block order (merge 1: row-major)."""
+    pos = block_order_positions(h, w, merge)
+    return frozen(antialias_axis_weights(h, side)[pos[:, 0]]), frozen(antialias_axis_weights(w, side)[pos[:, 1]])
+
+
+def antialias_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int) -> dict[str, np.ndarray]:
+    """pos_rows / pos_cols [patches, side], repeated over each item's temporal patches; padding rows weigh 0."""
+    rows = np.zeros((cap.patches, side), dtype=np.float32)
+    cols = np.zeros((cap.patches, side), dtype=np.float32)
+    offset = 0
+    for t, h, w in grids:
+        frame_rows, frame_cols = antialias_frame_weights(h, w, merge, side)
+        rows[offset : offset + t * h * w].reshape(t, h * w, side)[:] = frame_rows
+        cols[offset : offset + t * h * w].reshape(t, h * w, side)[:] = frame_cols
+        offset += t * h * w
+    return {"pos_rows": rows, "pos_cols": cols}
+
+
+def resample_separable(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each patch's position embedding in float32 from a square table [side * side, dim]: the outer product
+    of its row and column weights times the table, one matrix product for the whole batch."""
+    rows, cols = meta["pos_rows"], meta["pos_cols"]
+    weights = (rows[:, :, None] * cols[:, None, :]).view(rows.shape[0], -1)
+    return weights @ table.float()

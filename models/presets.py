@@ -60,6 +60,18 @@ TINY_MUSE = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, max_position_
                  merge_size=2, out_hidden_size=80, projector_hidden_size=48)
 
 
+PADDLEOCR_VL_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                          image_size=384, patch_size=14, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh")
+PADDLEOCR_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 1,
+                 "size": {"shortest_edge": 384 * 384, "longest_edge": 1536 * 1536}}
+COSMOS3_EDGE_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           patch_size=16, num_patches=256, spatial_merge_size=2, hidden_act="gelu_pytorch_tanh")
+COSMOS3_EDGE_PRE = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 1, "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}}
+COSMOS3_EDGE_VIDEO_PRE = {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 64 * 64, "longest_edge": 24 * 1024 * 1024},
+                          "fps": 2, "min_frames": 4, "max_frames": 768}
+
+
 @dataclass(frozen=True)
 class Preset:
     family: str  # transformers model_type of the full model
@@ -209,6 +221,29 @@ PRESETS: dict[str, Preset] = {
         {**DOTS3_PRE, "max_pixels": 1003520},
         {**DOTS3_VIDEO_PRE, "size": {"shortest_edge": 3136, "longest_edge": 4014080}},
     ),
+    # PaddleOCR-VL(-1.5): the released vision config (PaddleOCRVisionConfig's defaults) and ERNIE-4.5-0.3B's
+    # width; `out_hidden_size` is the language model's (full_config moves it there). The processor's class
+    # defaults (CLIP mean and std, 384*384 to 1536*1536 pixels).
+    "random:paddleocr-vl": Preset("paddleocr_vl", {**PADDLEOCR_VL_VISION, "out_hidden_size": 1024}, PADDLEOCR_PRE),
+    # Cosmos3-Edge: Cosmos3EdgeVisionConfig's and Cosmos3EdgeConfig's defaults, the released sizes.
+    "random:cosmos3-edge": Preset(
+        "cosmos3_edge", {**COSMOS3_EDGE_VISION, "out_hidden_size": 2048, "projector_hidden_size": 11520},
+        COSMOS3_EDGE_PRE, COSMOS3_EDGE_VIDEO_PRE,
+    ),
+    # 8x8 position tables, so test grids are both larger and smaller than them.
+    "tiny-paddleocr-vl": Preset(
+        "paddleocr_vl",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=112,
+             patch_size=14, out_hidden_size=80),
+        {**PADDLEOCR_PRE, "size": {"shortest_edge": 3136, "longest_edge": 401408}},
+    ),
+    "tiny-cosmos3-edge": Preset(
+        "cosmos3_edge",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, patch_size=16,
+             num_patches=64, out_hidden_size=80, projector_hidden_size=112),
+        {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 4096, "longest_edge": 524288}},
+        {**COSMOS3_EDGE_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 2097152}},
+    ),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -245,6 +280,14 @@ def full_config(preset: Preset):
     if family == "dots3_note":
         return dots3_config(preset)
     text.update(preset.text or {})
+    if family in ("paddleocr_vl", "cosmos3_edge"):  # the projector's widths live outside the vision config
+        vision = dict(preset.vision)
+        text["hidden_size"] = vision.pop("out_hidden_size")
+        top = {k: vision.pop(k) for k in ("projector_hidden_size",) if k in vision}
+        if family == "cosmos3_edge":  # its text config checks that M-RoPE covers half the head
+            text.update(head_dim=16, rope_parameters={**rope, "mrope_section": [4, 2, 2]})
+        return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text, bos_token_id=None,
+                                    eos_token_id=None, **top)
     if family in ("qwen2_5_omni", "qwen3_omni_moe"):
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
                      output_dim=64, n_window=4, max_source_positions=64)
@@ -308,3 +351,4 @@ def dots3_config(preset: Preset):
 BENCH_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
 BENCH_FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b",
                        "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]
+BENCH_FAMILY_MODELS += ["random:paddleocr-vl", "random:cosmos3-edge"]

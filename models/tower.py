@@ -198,7 +198,8 @@ class QwenTower(nn.Module):
         Each residual add runs fused with the norm after it, so the stream is carried as
         (x, norm(x)) from one block to the next.
         """
-        cos, sin = self.rotary(meta["pos_ids"])
+        # A tower without rotary positions builds no `pos_ids` (its attention takes cos = sin = None).
+        cos, sin = self.rotary(meta["pos_ids"]) if "pos_ids" in meta else (None, None)
         tapped: dict[int, torch.Tensor] = {}
         blocks = list(self.blocks)
         x, normed = add_norm(x, delta, blocks[0].norm1)

@@ -163,6 +163,13 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
         text.update(model_type="exaone4", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if preset.family == "cohere_compass":  # rotary parameters per layer type
         text.update(layer_types=["full_attention"], rope_parameters={"full_attention": rope})
+    top: dict = {}
+    vision = preset.vision
+    if preset.family in ("cosmos3_edge", "paddleocr_vl"):  # the projector's widths sit beside the vision config
+        text["head_dim"] = head_dim  # Cosmos3-Edge's text config checks its M-RoPE sections against it
+        vision = dict(preset.vision)
+        vision.pop("out_hidden_size")
+        top = {k: vision.pop(k) for k in ("projector_hidden_size",) if k in vision}
     media = dict(image_token_id=ids[image_pad], video_token_id=ids[video_pad],
                  vision_start_token_id=ids[start], vision_end_token_id=ids[end])
     if omni:
@@ -184,8 +191,8 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
         cfg = AutoConfig.for_model(preset.family, enable_audio_output=False, thinker_config=thinker,
                                    im_end_token_id=ids["<|im_end|>"])
     else:
-        cfg = AutoConfig.for_model(preset.family, vision_config=preset.vision, text_config=text,
-                                   bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], **media)
+        cfg = AutoConfig.for_model(preset.family, vision_config=vision, text_config=text,
+                                   bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], **media, **top)
     if preset.family == "cohere_compass":
         cfg.tie_word_embeddings = True  # as released; vLLM's model asserts it
     cfg.architectures = [CLASSES[preset.family]]

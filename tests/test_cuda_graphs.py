@@ -23,6 +23,7 @@ FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "ran
         "random:qwen3-vl-30b-a3b", "random:qwen3.5-27b", "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b",
         "random:exaone-4.5-33b"]
 FULL += ["random:lfm3-vl-2b", "random:dots3-note"]  # conv blocks beside attention; experts in the tower
+FULL += ["random:paddleocr-vl", "random:cosmos3-edge"]
 DEV = torch.device("cuda")
 
 

@@ -3,6 +3,7 @@
 
 from models.families import (  # noqa: F401  (registration)
     cohere_compass,
+    cosmos3_edge,
     dots3_note,
     exaone4_5,
     glm4v,
@@ -10,6 +11,7 @@ from models.families import (  # noqa: F401  (registration)
     lfm3_vl,
     muse_glimmer,
     muse_spark,
+    paddleocr_vl,
     qwen2_5_omni,
     qwen2_5_vl,
     qwen2_vl,

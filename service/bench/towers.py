@@ -85,6 +85,8 @@ def tower_dims(tower) -> dict:
     if hasattr(tower, "downsample"):
         context = tower.merger.hidden
         merger = [[(wide, d.out), (d.out, d.out), (d.out, 2 * context), (context, d.out)]]
+    elif hasattr(tower, "merger_products"):  # a projector of its own widths (models/mergers.py)
+        merger = [tower.merger_products]
     else:
         merger = [[(wide, wide), (wide, d.out)]] * (1 + tower.num_deepstack)
     return dict(hidden=d.hidden, inter=d.mlp, depth=d.depth, heads=d.heads, kv_heads=d.kv_heads,
@@ -217,9 +219,34 @@ def hf_visual_converted(tower, meta_model, cfg):
     return vision_module(model).to(param.device).eval()
 
 
+class ReferenceFeatures(torch.nn.Module):
+    """A whole transformers model's image entry point, called like a vision model, for families whose projector
+    sits outside the vision model (`reference_image_features` in the family's extra). It holds the model's
+    vision model and projector under the tower's own names (`visual`, `projector`), so the tower's state dict
+    loads into it and parameter counts compare; the rest of the model stays unregistered (and unloaded)."""
+
+    def __init__(self, model: torch.nn.Module, features: Callable) -> None:
+        super().__init__()
+        inner = model.model
+        visual = inner.visual
+        self.visual = getattr(visual, "vision_model", visual)  # PaddleOCR-VL's wraps its transformer once more
+        self.projector = inner.projector
+        self._whole = [model]  # a list: not a submodule
+        self._features = features
+
+    def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self._features(self._whole[0], pixels, grid_thw)
+
+
 def vision_module(model) -> torch.nn.Module:
     """The vision model inside a transformers model (the Omni models keep it in their thinker; LFM3-VL and
-    dots3-note call it `vision_tower`, and LFM3-VL's projector sits beside it: both as one module)."""
+    dots3-note call it `vision_tower`, and LFM3-VL's projector sits beside it: both as one module; families
+    whose projector sits outside the vision model name their image entry point)."""
+    from models.families import FAMILIES
+
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is not None and "reference_image_features" in family.extra:
+        return ReferenceFeatures(model, family.extra["reference_image_features"])
     for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_tower"):
         found = model
         for name in path.split("."):

@@ -1,8 +1,10 @@
 """Qwen-VL image preprocessing on the host: RGB image -> uint8 patches in the reference row order.
 
 Parity targets: transformers' `Qwen2VLImageProcessorPil` (used by Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-checkpoints) and `Glm4vImageProcessorPil` (GLM-4.1V, GLM-4.5V, GLM-OCR), which differ only in how they
-size an image (`smart_resize` and `clip_smart_resize`; `service.media.rules` picks one). The
+checkpoints), `Glm4vImageProcessorPil` (GLM-4.1V, GLM-4.5V, GLM-OCR; Cosmos3-Edge's sizes images the same
+way) and `PaddleOCRVLImageProcessorPil`, which differ in how they size an image (`smart_resize`,
+`clip_smart_resize`, `upscaled_smart_resize`; `service.media.rules` picks one) and in how they lay out a
+patch row (`ProcessorConfig.patch_layout` / `patch_order`, service/media/patch_layout.py). The
 reference converts to RGB, resizes the *uint8* image with PIL bicubic to that size, then
 rescales/normalises in float and patchifies. Resizing happens on uint8, so
 we can stop before the float work and ship the resized uint8 patches: `ProcessorConfig.normalize`
@@ -34,6 +36,7 @@ from service.media.errors import (
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
 from service.media.navit_sizing import kimi_size, muse_size, resize_image
+from service.media.patch_layout import image_rows, is_qwen_layout
 from service.media.rules import family_extra, image_sizing
 
 MAX_ASPECT_RATIO = 200
@@ -77,6 +80,20 @@ def smart_resize(
             TOO_SMALL,
         )
     return h_bar, w_bar
+
+
+def upscaled_smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 384 * 384, max_pixels: int = 1536 * 1536
+) -> tuple[int, int]:
+    """PaddleOCR-VL's `smart_resize`: a side below `factor` is first scaled up to it, the other side with it
+    (Python `round`), then `smart_resize` as Qwen2-VL's."""
+    if height <= 0 or width <= 0:
+        raise MediaError(f"image is {width}x{height}: it has no pixels", TOO_SMALL)
+    if height < factor:
+        width, height = round(width * factor / height), factor
+    if width < factor:
+        height, width = round(height * factor / width), factor
+    return smart_resize(height, width, factor, min_pixels, max_pixels)
 
 
 def clip_smart_resize(
@@ -164,14 +181,17 @@ def image_grid(
     T*H*W with T = temporal_patch_size (an image is a clip of T identical frames there).
     """
     lo, hi = _pixel_bounds(cfg, min_pixels, max_pixels)
-    if image_sizing(cfg) in ("kimi", "muse"):
+    sizing = image_sizing(cfg)
+    if sizing in ("kimi", "muse"):
         (new_h, new_w), (pad_h, pad_w) = navit_image_size(height, width, cfg, hi)
         return (new_h, new_w), (1, pad_h // cfg.patch_size, pad_w // cfg.patch_size)
-    if image_sizing(cfg) == "glm4v":
+    if sizing == "glm4v":
         tps = cfg.temporal_patch_size
         new_h, new_w = clip_smart_resize(
             tps, height, width, temporal_factor=tps, factor=cfg.factor, min_pixels=lo, max_pixels=hi
         )
+    elif sizing == "paddleocr_vl":
+        new_h, new_w = upscaled_smart_resize(height, width, cfg.factor, lo, hi)
     else:
         new_h, new_w = smart_resize(height, width, cfg.factor, lo, hi)
     return (new_h, new_w), (1, new_h // cfg.patch_size, new_w // cfg.patch_size)
@@ -242,7 +262,10 @@ def preprocess_image(
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.
         image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    pixels = patchify(image, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    if is_qwen_layout(cfg):
+        pixels = patchify(image, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    else:  # the family's own row layout (service/media/patch_layout.py)
+        pixels = image_rows(np.asarray(image), cfg)
     return VisualInput(
         modality="image",
         pixels=pixels,

@@ -7,7 +7,8 @@ Frame sampling and per-frame sizes follow the reference each model family ships 
 Frames are resized one by one with PIL bicubic on uint8, like the image path (the references
 resize torch tensors with torchvision bicubic+antialias; see docs/video.md), and patchified into
 `pixel_values_videos` order: rows (t, h-block, w-block, merge-row, merge-col), columns
-(channel, temporal, patch-row, patch-col). An odd frame count is padded with the last frame.
+(channel, temporal, patch-row, patch-col), or the family's own layout (service/media/patch_layout.py). A
+frame count off a multiple of the temporal patch size is padded with the last frame.
 
 Contract (stable; safe in a worker process, no global state):
 
@@ -37,6 +38,7 @@ from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
 from service.media.navit_sizing import resize_image
+from service.media.patch_layout import frame_values, is_qwen_layout, temporal_axis, value_shape
 from service.media.rules import video_sampling
 from service.media.video import VideoInfo, VideoReader
 from service.media.video_sampling import SamplingPlan, VideoOptions, plan_sampling
@@ -98,12 +100,15 @@ class _PatchWriter:
         if self.max_tokens is not None:
             # The plan checked the header's size; the frames themselves decide (a header may lie).
             _check_tokens((self.num_slots // tps) * bh * bw, self.max_tokens, (self.num_slots // tps, h // p, w // p))
+        if not is_qwen_layout(self.cfg):  # the family's own row layout: [T, rows of a frame, *value axes]
+            self._out = np.empty((self.num_slots // tps, bh * bw * m * m, *value_shape(self.cfg)), np.uint8)
+            return
         self._out = np.empty((self.num_slots // tps, bh, bw, m, m, 3, tps, p * p), np.uint8)
         # Patch rows (P contiguous bytes in source and destination) move as single void items.
         self._dst = self._out.view(np.dtype((np.void, p))).reshape(self._out.shape[:-1] + (p,))
 
     def _write(self, position: int, rgb: np.ndarray) -> None:
-        assert self._dst is not None and self.resized is not None
+        assert self._out is not None and self.resized is not None
         p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
         image = Image.fromarray(rgb)
@@ -112,6 +117,12 @@ class _PatchWriter:
             image = resize_image(image, self.method, content, (h, w))
         elif image.size != (w, h):
             image = image.resize((w, h), Image.Resampling.BICUBIC)
+        if self._dst is None:
+            values = frame_values(np.asarray(image), self.cfg)
+            axis = 1 + temporal_axis(self.cfg)
+            for slot in self.slots_of[position]:
+                np.moveaxis(self._out[slot // tps], axis, 0)[slot % tps] = np.moveaxis(values, axis, 0)[0]
+            return
         row = np.dtype((np.void, p))
         for channel, band in enumerate("RGB"):
             # Planar bytes from PIL, viewed as (block row, merge row, patch row, block col, merge col).

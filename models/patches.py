@@ -1,0 +1,81 @@
+"""Patch embeddings over pixel rows: a Conv2d whose kernel equals its stride, or a Linear, applied to each row
+as one matrix product.
+
+A row holds one patch's values in its processor's order (models/config.py `patch_layout`: "chw" or "hwc"),
+and a checkpoint's weight reads its inputs in an order of its own: a Conv2d's is (channel, row, col), a
+Linear's that of the processor it was trained with. Where the two differ, the weight's columns are permuted
+once after loading, never the pixels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The axes of a row in each layout: channel, temporal, patch row, patch column.
+LAYOUT_AXES = {"chw": "ctyx", "hwc": "yxct"}
+
+
+def columns_in_row_order(weight: torch.Tensor, weight_layout: str, row_layout: str, sizes: dict[str, int]
+                         ) -> torch.Tensor:
+    """weight [out, C*T*P*P] whose columns follow `weight_layout`, with its columns reordered to `row_layout`
+    (a view when the two agree)."""
+    if weight_layout == row_layout:
+        return weight
+    src, dst = LAYOUT_AXES[weight_layout], LAYOUT_AXES[row_layout]
+    shaped = weight.reshape(weight.shape[0], *(sizes[a] for a in src))
+    return shaped.permute(0, *(1 + src.index(a) for a in dst)).reshape(weight.shape[0], -1)
+
+
+class _RowProduct:
+    """What both patch embeddings share: the weight as a [out, row width] matrix in the rows' order."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    rows: str
+    weight_layout: str
+    sizes: dict[str, int]
+    flat: torch.Tensor | None
+
+    def row_weight(self) -> torch.Tensor:
+        if self.flat is not None:
+            return self.flat
+        return columns_in_row_order(self.weight.reshape(self.weight.shape[0], -1), self.weight_layout, self.rows,
+                                    self.sizes)
+
+    def fuse(self) -> None:
+        """After loading: keep a reordered copy when the weight's order is not the rows' (a few MB at most)."""
+        self.flat = None
+        if self.weight_layout != self.rows:
+            self.flat = self.row_weight().contiguous()
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.row_weight()
+        return F.linear(x.to(w.dtype), w, self.bias)
+
+
+class Conv2dPatches(_RowProduct, nn.Conv2d):
+    """The checkpoint's Conv2d(channels, dim, kernel = stride = patch) on rows of `rows` layout (one frame:
+    a temporal patch size of 1)."""
+
+    def __init__(self, channels: int, dim: int, patch: int, rows: str = "chw", bias: bool = True) -> None:
+        nn.Conv2d.__init__(self, channels, dim, kernel_size=patch, stride=patch, bias=bias)
+        self.rows, self.weight_layout, self.flat = rows, "chw", None
+        self.sizes = {"c": channels, "t": 1, "y": patch, "x": patch}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
+
+
+class LinearPatches(_RowProduct, nn.Linear):
+    """The checkpoint's Linear(C*T*P*P, dim) whose inputs follow `weight_layout`, on rows of `rows` layout."""
+
+    def __init__(self, channels: int, temporal: int, patch: int, dim: int, weight_layout: str, rows: str,
+                 bias: bool = True) -> None:
+        nn.Linear.__init__(self, channels * temporal * patch * patch, dim, bias=bias)
+        self.rows, self.weight_layout, self.flat = rows, weight_layout, None
+        self.sizes = {"c": channels, "t": temporal, "y": patch, "x": patch}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
