@@ -119,8 +119,9 @@ class Parts:
         if not part.started.is_set() and self._parts.get(part.req_id) is part:
             del self._parts[part.req_id]
 
-    async def deliver(self, part: Part, frames: Sequence[bytes]) -> None:
-        """Push `frames` to every rank that registers for `part`, until `receive_count` of them have it."""
+    async def deliver(self, part: Part, frames: Sequence[bytes], warn: bool = True) -> None:
+        """Push `frames` to every rank that registers for `part`, until `receive_count` of them have it;
+        `warn`: a drop is logged as a warning (a part's rows; its error is the caller's to log)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         pushes: dict[str, asyncio.Future[None]] = {}
@@ -143,9 +144,9 @@ class Parts:
                     failure = DeliveryFailed(
                         f"[{part.req_id}] embedding delivery failed: timed out after {self.timeout_s:g}s with "
                         f"{len(pushes)}/{part.count or '?'} destination(s) initiated", 504, "receivers_missing")
-                    log.warning("part %s dropped for %d receiver(s) that did not register within %gs "
-                                "(--sglang-timeout-s); %d registered", part.req_id, missing, self.timeout_s,
-                                len(pushes))
+                    log.log(logging.WARNING if warn else logging.INFO,
+                            "part %s dropped for %d receiver(s) that did not register within %gs "
+                            "(--sglang-timeout-s); %d registered", part.req_id, missing, self.timeout_s, len(pushes))
                     break
                 try:
                     await asyncio.wait_for(part.changed.wait(), remaining)

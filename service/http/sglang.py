@@ -128,6 +128,10 @@ def parse_part(obj: dict[str, Any], settings: ServeSettings) -> EncodePart:
     return EncodePart(req_id, kind, num_parts, part_idx, host, port, items, hashes)
 
 
+def refused(exc: DeliveryFailed) -> ApiError:
+    return ApiError(exc.status, "delivery_failed" if exc.status >= 500 else "invalid_request", exc.message, exc.code)
+
+
 def endpoint(host: str, port: int) -> str:
     host = host.strip("[]")
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
@@ -176,7 +180,7 @@ class Delivery(Deferred):
         try:
             await self.route.deliver(self.state, self.part, self.frames)
         except DeliveryFailed as exc:
-            raise ApiError(exc.status, "delivery_failed", exc.message, exc.code) from None
+            raise refused(exc) from None
         finally:
             self.route.parts.release(self.state)
         return JSONResponse(None)
@@ -264,7 +268,10 @@ class SGLangRoute:
         if family not in wire.VIDEO_FIELD:
             raise ApiError(501, "not_implemented", f"this server's family {family} is not one SGLang "
                                                    f"{wire.SGLANG_VERSION} disaggregates", "unsupported_family")
-        state = self.parts.begin(part.req_id)
+        try:
+            state = self.parts.begin(part.req_id)
+        except DeliveryFailed as exc:
+            raise refused(exc) from None
         try:
             await service.resolve_urls(Parsed(part.items, OutputOptions()))
             for p, digest in zip(part.items, part.hashes):
@@ -302,15 +309,15 @@ class SGLangRoute:
 
     async def _deliver_error(self, state: Part, part: EncodePart, frame: bytes) -> None:
         try:
-            await self.deliver(state, part, [frame])
+            await self.deliver(state, part, [frame], warn=False)
         except DeliveryFailed as exc:
             log.info("the error of part %s reached no receiver: %s", part.req_id, exc.message)
         finally:
             self.parts.release(state)
 
-    async def deliver(self, state: Part, part: EncodePart, frames: list[Any]) -> None:
+    async def deliver(self, state: Part, part: EncodePart, frames: list[Any], warn: bool = True) -> None:
         if part.embedding_port is None:  # zmq_to_scheduler: to the ranks that register
-            await self.parts.deliver(state, frames)
+            await self.parts.deliver(state, frames, warn)
             return
         # zmq_to_tokenizer (one port), or SGLang's per-request scheduler ports (a list): one request's sockets
         ports = part.embedding_port if isinstance(part.embedding_port, list) else [part.embedding_port]
@@ -348,7 +355,7 @@ class SGLangRoute:
             await self.parts.register(req_id, count, receive_endpoint(obj.get("receive_url")))
             return JSONResponse(None)
         except DeliveryFailed as exc:
-            return self.error_response(request, ApiError(exc.status, "delivery_failed", exc.message, exc.code))
+            return self.error_response(request, refused(exc))
         except ApiError as exc:
             return self.error_response(request, exc)
 
