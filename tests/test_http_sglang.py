@@ -273,3 +273,28 @@ def test_load_every_part_once_nothing_left_behind(zctx):
     assert shm_entries(s.engine.names.prefix, pools=False) == []
     for rank in ranks:
         rank.close()
+
+
+@pytest.mark.cuda
+def test_a_gpu_server_pushes_bfloat16_rows_with_deepstack(zctx):
+    """On the GPU the served dtype is bfloat16: the part says so, and its rows are /encode's bf16 base64 output
+    (the main embedding and the DeepStack levels side by side, as SGLang's Qwen3-VL splits them)."""
+    import torch
+
+    rx = Receiver(zctx)
+    cfg = settings(model="tiny-qwen3-vl", device="cuda", dtype="bfloat16", cache_bytes=32 << 20)
+    with ServerThread(cfg) as s, s.client() as c:
+        r = c.post("/encode", json=part("g_local_part_0", [url(IMAGES[0]), url(IMAGES[1])], rx.port))
+        assert (r.status_code, r.json()) == (200, None)
+        state, rows = rx.wait("g_local_part_0")
+        assert state["dtype"] is torch.bfloat16
+        body = {"items": [{"type": "image", "image": base64.b64encode(d).decode()} for d in IMAGES[:2]],
+                "encoding_format": "base64", "dtype": "bfloat16", "include_deepstack": True}
+        want = []
+        for entry in c.post("/encode", json=body).json()["data"]:
+            levels = [entry["embedding"], *entry["deepstack"]]
+            want.append(torch.cat([torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.bfloat16)
+                                   .reshape(entry["shape"][0], -1) for v in levels], dim=1))
+        got = torch.frombuffer(bytearray(rows), dtype=torch.bfloat16).reshape(state["shape"])
+        assert torch.equal(got, torch.cat(want))
+    rx.close()
