@@ -110,6 +110,20 @@ def test_the_tokenizer_backend_gets_the_rows_of_encode(srv, zctx):
     rx.close()
 
 
+def test_a_large_part_is_parsed_off_the_event_loop(srv, zctx):
+    """A body of megabytes (parsed on a parse thread) with SGLang's fields in its first bytes, as SGLang
+    writes them."""
+    big = image_bytes(640, 480, seed=9)
+    rx = Receiver(zctx)
+    with srv.client() as c:
+        r = c.post("/encode", json=part("big_local_part_0", [url(big)], rx.port))
+        assert (r.status_code, r.json()) == (200, None)
+        state, rows = rx.wait("big_local_part_0")
+        want = reference(c, big)
+        assert len(url(big)) > 1 << 20 and np.array_equal(np.frombuffer(rows, np.float32).reshape(want.shape), want)
+    rx.close()
+
+
 def test_registrations_before_and_after_the_encode(srv, zctx):
     ranks = [Receiver(zctx), Receiver(zctx)]
     with ThreadPoolExecutor(3) as pool:
