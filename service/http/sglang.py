@@ -2,8 +2,8 @@
 --language-only --encoder-urls http://vitserve:8100` takes its embeddings from vitserve (docs/sglang.md).
 
 - `POST /encode` with SGLang's body (told apart from vitserve's own by its `mm_items`; service.http.sglang_body
-  reads it): one part of a
-  request, `{req_id, mm_items, modality, num_parts, part_idx, prefill_host, embedding_port, ...}`. Its
+  reads it): one part of a request, `{req_id, mm_items, modality, num_parts, part_idx, prefill_host,
+  embedding_port, ...}`. Its
   items (URLs under --allow-url and --allowed-hosts, data URLs, base64; or dicts with a `url` and an
   optional `content_hash`) go through the same request path as vitserve's own items: admission, the
   media workers, the encoder-output cache, identical items in flight encoded once, the engine's batches.
