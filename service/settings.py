@@ -149,6 +149,10 @@ class ServeSettings(BaseModel):
                                      "Service's ready pods), resolved again every few seconds, each at PORT "
                                      "(default --port); this server's own address is POD_IP's; --replicas adds "
                                      "fixed URLs (default none)", default=None)
+    sglang_timeout_s: float = flag("SGLang's encoder disaggregation (docs/sglang.md): how long a part's /encode waits "
+                                   "for its receivers to register, a registration for its /encode, and a push for "
+                                   "its receiver; SGLang's SGLANG_ENCODER_SEND_TIMEOUT (default 180)", default=180.0,
+                                   gt=0)
     video_chunking: bool = flag("serve videos longer than --t-capture as exact chunks of t_capture temporal "
                                 "patches through graphs instead of eagerly (default off)", default=False)
     data_parallel: int | Literal["auto"] = flag("engines, one per GPU, each in its own process: a number, or auto "

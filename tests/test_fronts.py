@@ -89,6 +89,35 @@ def test_an_output_answered_by_one_front_is_served_and_checked_by_any(server):
     assert sum(v for labels, v in fetched if labels["result"] == "miss") == 0
 
 
+def test_sglang_parts_and_registrations_meet_whichever_front_they_reach(server):
+    """SGLang's /encode of a part and its ranks' registrations arrive on connections of their own: the front
+    the part's req_id belongs to takes them all (service/http/sglang.py), whichever front they reached. These
+    ids belong two to each front, and twelve connections all reaching their part's front is a 1 in 4096 chance."""
+    import zmq
+
+    from tests.test_http_sglang import Receiver, part, url
+
+    ctx = zmq.Context()
+    ranks = [Receiver(ctx), Receiver(ctx)]
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            futures = []
+            for k in range(4):
+                req_id = f"fronts{k}_local_part_0"
+                body = part(req_id, [url(image_bytes(72, 56, seed=60 + k))])
+                futures.append(pool.submit(httpx.post, server.url + "/encode", json=body, timeout=60))
+                futures += [pool.submit(rank.register, server.url, req_id, 2) for rank in ranks]
+            assert [f.result().status_code for f in futures] == [200] * 12
+        for rank in ranks:
+            for k in range(4):
+                state, rows = rank.wait(f"fronts{k}_local_part_0")
+                assert rows is not None and state["shape"][0] > 0
+    finally:
+        for rank in ranks:
+            rank.close()
+        ctx.destroy(linger=0)
+
+
 def test_sigterm_drains_every_front_and_exits_zero(server):
     server.terminate()
     code, out = server.wait(60)

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.engine.core import Engine
 from service.engine.types import NotReady
-from service.http import docs, encoder_cache, encoders, openai
+from service.http import docs, encoder_cache, encoders, openai, sglang
 from service.http.errors import (
     ApiError,
     FaultBarrier,
@@ -189,9 +189,11 @@ def create_app(settings: ServeSettings, engine: Engine | None = None, metrics: M
         fronts = {"front": {"index": front.index, "of": front.count, "pid": os.getpid()}} if front is not None else {}
         replicas = {"replicas": service.peers.info()} if service.peers is not None else {}
         return JSONResponse({"version": VERSION, **engine.info(), "cache": service.handoff.info(),
-                             "settings": settings.public_dict(), **fronts, **replicas})
+                             "sglang": sglang_route.info(), "settings": settings.public_dict(), **fronts,
+                             **replicas})
 
     encoder_cache.install(app, service, front)
+    sglang_route = sglang.install(app, service, front)  # SGLang's encoder API (docs/sglang.md)
     if settings.llm_url:
         openai.install(app, service)
 

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request, Response
 from starlette.requests import ClientDisconnect
@@ -44,6 +44,25 @@ log = logging.getLogger("vitserve.http")
 T = TypeVar("T")
 
 
+class Deferred:
+    """An /encode answer that waits on work past the request's slot and deadline: `Service.respond` awaits
+    `finish` once the encode is done (SGLang's parts, answered when their pushes are: service.http.sglang)."""
+
+    async def finish(self) -> Response:
+        raise NotImplementedError
+
+
+class Dialect(Protocol):
+    """Another body /encode takes, told apart from vitserve's own by `claims` (service.http.sglang): it encodes
+    the request and answers its errors in its own shape."""
+
+    async def claims(self, request: Request, body: bytes) -> bool: ...
+
+    async def encode(self, request: Request, owner: Owner, body: bytes, deadline: float) -> Response | Deferred: ...
+
+    def error_response(self, request: Request, error: ApiError) -> Response: ...
+
+
 class Service:
     def __init__(self, settings: ServeSettings, engine: Engine, metrics: Metrics) -> None:
         self.settings = settings
@@ -54,6 +73,7 @@ class Service:
         self.fetcher: UrlFetcher | None = None
         self.closers: list[Callable[[], Awaitable[None]]] = []  # run at shutdown (the LLM proxy's client)
         self.peers: Peers | None = None  # the other replicas (--replicas, --replicas-from)
+        self.dialects: list[Dialect] = []
         self._api_key = settings.api_key_bytes()
         # Large request bodies are parsed off the event loop's turn (`parses_here`).
         self._parsers = ThreadPoolExecutor(2, thread_name_prefix="vitserve-parse")
@@ -129,7 +149,10 @@ class Service:
     async def respond(self, request: Request) -> Response:
         """Every outcome of one /encode call as a response (499: the client is gone, nobody reads it)."""
         try:
-            return await self.handle_encode(request)
+            response = await self.handle_encode(request)
+            if isinstance(response, Deferred):
+                response = await self.until_gone(request, response.finish())
+            return response
         except ClientGone as exc:
             log.info("client went away %s (counted as 499)", exc)
             return Response(status_code=499)
@@ -137,12 +160,13 @@ class Service:
             error, logged = self.api_error(exc)
             if error.status >= 500:
                 server_fault(error, logged)
-            return error.response()
+            dialect = getattr(request.state, "dialect", None)
+            return dialect.error_response(request, error) if dialect is not None else error.response()
 
     def api_error(self, exc: Exception) -> tuple[ApiError, bool]:
         """The API's error for a failed request, and whether a log line already carries its error id."""
-        if isinstance(exc, ApiError):
-            return exc, False
+        if isinstance(exc, ApiError):  # one that carries an error id was logged with it
+            return exc, exc.error_id is not None
         if isinstance(exc, EngineFailure):  # the engine or the worker logged the traceback with the id
             return from_engine(exc), True
         if isinstance(exc, EngineError):
@@ -163,7 +187,7 @@ class Service:
         return ApiError(500, "internal", f"internal error {error_id}: {type(exc).__name__}", "internal",
                         error_id=error_id), True
 
-    async def handle_encode(self, request: Request) -> Response:
+    async def handle_encode(self, request: Request) -> Response | Deferred:
         self.check_auth(request)
         self.engine.check_accepting()
         with self.engine.request_slot():
@@ -180,7 +204,11 @@ class Service:
                 self.engine.cancel(owner)  # whatever it still runs stops: media jobs, queued items, encodes
                 raise
 
-    async def _encode(self, request: Request, owner: Owner, body: bytes, deadline: float) -> Response:
+    async def _encode(self, request: Request, owner: Owner, body: bytes, deadline: float) -> Response | Deferred:
+        for dialect in self.dialects:
+            if await dialect.claims(request, body):
+                request.state.dialect = dialect
+                return await dialect.encode(request, owner, body, deadline)
         started = time.perf_counter()
         parsed = await self.parse(request, body)
         del body
