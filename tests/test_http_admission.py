@@ -55,7 +55,9 @@ def test_api_key():
 
 
 def test_429_when_the_queue_is_full(monkeypatch):
-    slow_engine(monkeypatch, 1.0)
+    # Long enough that, on a loaded 2-core box, no batch finishes while the queue is being filled and read
+    # (with 1 s one did, and the queue never reached 70 tokens).
+    slow_engine(monkeypatch, 2.5)
     cfg = settings(max_queued_tokens=100, max_wait_ms=0, max_batch_items=1)
     with ServerThread(cfg) as srv, srv.client() as c, ThreadPoolExecutor(6) as pool:
         busy = [post_in_background(srv.url, pool) for _ in range(MAX_INFLIGHT)]  # the engine's slots all taken
