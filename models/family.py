@@ -83,6 +83,21 @@ class Family:
     # The tower class; a family with parts of its own gives a subclass of models.tower.QwenTower.
     tower: Any = None
     extra: dict[str, Any] = field(default_factory=dict)  # what a family's own tower class reads
+    # Checkpoint tensors the tower holds beyond the vision prefixes: (checkpoint prefix, the tower's name for
+    # it), for a projector stored beside the vision model (ERNIE-4.5-VL's `model.resampler_model.`).
+    module_prefixes: tuple[tuple[str, str], ...] = ()
+    # (checkpoint, tower) parts of tensor names, substituted after the prefix: where a checkpoint names the
+    # shared layers otherwise (MiniMax-M3's `encoder.layers.N.self_attn.q_proj` for `blocks.N.attn.q`).
+    key_renames: tuple[tuple[str, str], ...] = ()
+    # What the tower reads from the whole model's config beyond its vision config (the text width of a
+    # projector, a setting the vision config leaves implicit): attribute name -> function of the whole config.
+    vision_extras: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # Preprocessor settings where a checkpoint's preprocessor config leaves them out: the processor class's
+    # own defaults where they differ from Qwen2-VL's (ERNIE-4.5-VL: one frame per patch row).
+    processor_defaults: dict[str, Any] = field(default_factory=dict)
+    # How images are resized: "pil" (PIL bicubic on uint8, as the *ImageProcessorPil classes) or "torch"
+    # (torchvision's bicubic with antialias on uint8 tensors, as the processors that exist only with torchvision).
+    image_resize: Literal["pil", "torch"] = "pil"
 
     def derive(self, **changes: Any) -> Family:
         """This family with `changes`: how a relative is described."""
@@ -90,9 +105,23 @@ class Family:
 
     def vision_config(self, config: Any) -> Any:
         """The vision config inside a whole model's config (nested: `thinker_config.vision_config`)."""
+        whole = config
         for name in self.config_path:
             config = getattr(config, name)
+        if self.vision_extras:
+            config = VisionConfigView(config, {name: read(whole) for name, read in self.vision_extras.items()})
         return config
+
+
+class VisionConfigView:
+    """A vision config with a few attributes added (`Family.vision_extras`); the rest read through."""
+
+    def __init__(self, config: Any, extras: dict[str, Any]) -> None:
+        self._config, self._extras = config, extras
+
+    def __getattr__(self, name: str) -> Any:
+        extras = self.__dict__.get("_extras", {})
+        return extras[name] if name in extras else getattr(self.__dict__["_config"], name)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -146,7 +146,7 @@ def _one_line(exc: BaseException) -> str:
 def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend: str) -> QwenTower:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, backend)
-    tensors = read_vision_tensors(folder, FAMILIES[family].prefixes)
+    tensors = read_vision_tensors(folder, FAMILIES[family].prefixes, FAMILIES[family])
     tower.to_empty(device=dev).to(dt)
     load_state(tower, tensors, folder)  # copies, converting to the serving dtype
     tower.reset_buffers()
@@ -165,7 +165,7 @@ def check_model(model: str) -> str:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, "sdpa")  # on the meta device: shapes only
     try:
-        shapes = vision_tensor_shapes(folder, FAMILIES[family].prefixes)
+        shapes = vision_tensor_shapes(folder, FAMILIES[family].prefixes, FAMILIES[family])
     except (OSError, ValueError) as exc:  # safetensors' own errors are both
         raise CheckpointError(f"{folder}: the safetensors cannot be read: {_one_line(exc)}") from None
     problems = weight_problems({k: tuple(v.shape) for k, v in tower.state_dict().items()}, shapes)
@@ -175,6 +175,7 @@ def check_model(model: str) -> str:
 
 
 def checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    """The safetensors files holding tensors under `prefixes` (all of them without an index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
@@ -188,27 +189,42 @@ def checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def read_vision_tensors(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Vision tensors keyed without their prefix, read lazily (text, audio and other weights are never loaded)."""
-    return _read_vision(folder, prefixes, lambda f, key: f.get_tensor(key))
+def read_vision_tensors(folder: Path, prefixes: tuple[str, ...], spec: Family | None = None
+                        ) -> dict[str, torch.Tensor]:
+    """Vision tensors keyed without their prefix, read lazily (text, audio and other weights are never loaded);
+    with a family, also its `module_prefixes` tensors, and names as its `key_renames` say."""
+    return _read_vision(folder, prefixes, lambda f, key: f.get_tensor(key), spec)
 
 
-def vision_tensor_shapes(folder: Path, prefixes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+def vision_tensor_shapes(folder: Path, prefixes: tuple[str, ...], spec: Family | None = None
+                         ) -> dict[str, tuple[int, ...]]:
     """The vision tensors' shapes, from the safetensors headers alone."""
-    return _read_vision(folder, prefixes, lambda f, key: tuple(f.get_slice(key).get_shape()))
+    return _read_vision(folder, prefixes, lambda f, key: tuple(f.get_slice(key).get_shape()), spec)
 
 
-def _read_vision(folder: Path, prefixes: tuple[str, ...], read: Any) -> dict[str, Any]:
+def tower_key(key: str, prefixes: tuple[str, ...], spec: Family | None = None) -> str | None:
+    """The tower's name for a checkpoint tensor, or None for a tensor the tower does not hold."""
+    pairs = [(prefix, "") for prefix in prefixes] + list(spec.module_prefixes if spec else ())
+    for prefix, name in pairs:
+        if key.startswith(prefix):
+            key = name + key[len(prefix) :]
+            for old, new in spec.key_renames if spec else ():
+                key = key.replace(old, new)
+            return key
+    return None
+
+
+def _read_vision(folder: Path, prefixes: tuple[str, ...], read: Any, spec: Family | None = None) -> dict[str, Any]:
     from safetensors import safe_open
 
     out: dict[str, Any] = {}
-    for path in checkpoint_files(folder, prefixes):
+    wanted = prefixes + tuple(prefix for prefix, _ in (spec.module_prefixes if spec else ()))
+    for path in checkpoint_files(folder, wanted):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                for prefix in prefixes:
-                    if key.startswith(prefix):
-                        out[key[len(prefix) :]] = read(f, key)
-                        break
+                name = tower_key(key, prefixes, spec)
+                if name is not None:
+                    out[name] = read(f, key)
     return out
 
 
@@ -248,6 +264,10 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
                                 "holding an image_processor")
     video = nested.get("video_processor") or _read_json(folder / "video_preprocessor_config.json")
     spec = FAMILIES.get(family)
+    if spec is not None:
+        image = {**spec.processor_defaults, **image}
+        if not isinstance(image.get("size", {}), dict):  # MiniMax-M3's release: [672, 672], which its
+            image["size"] = spec.processor_defaults.get("size", {})  # processor replaces by its default
     # transformers' video processors (Qwen3-VL's, GLM's) read preprocessor_config.json when theirs is missing;
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":

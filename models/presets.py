@@ -30,6 +30,23 @@ GLM41V_VISION = dict(depth=24, hidden_size=1536, intermediate_size=13696, out_hi
                      rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False)
 
 
+# ERNIE-4.5-VL: Ernie4_5_VLMoeImageProcessorPil's defaults (one frame per patch row).
+ERNIE_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 1,
+             "size": {"shortest_edge": 3136, "longest_edge": 28 * 28 * 6177}}
+# `out_hidden_size` of the ERNIE and MiniMax presets is the text width (their projectors' output), and
+# MiniMax's `projector_hidden_size` the projector's: both live outside the vision config (see full_config).
+ERNIE_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=5120, num_heads=16, patch_size=14,
+                       hidden_act="quick_gelu", out_hidden_size=2560)
+# MiniMax-M3: MiniMaxM3VLImageProcessor's defaults.
+MINIMAX_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+               "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 451584}}
+MINIMAX_M3_VISION = dict(num_hidden_layers=32, hidden_size=1280, intermediate_size=5120, num_attention_heads=16,
+                         patch_size=14, temporal_patch_size=2, hidden_act="gelu", out_hidden_size=6144,
+                         projector_hidden_size=6144)
+# The settings above that are not the vision config's.
+OUTSIDE_VISION = ("out_hidden_size", "projector_hidden_size")
+
+
 @dataclass(frozen=True)
 class Preset:
     family: str  # transformers model_type of the full model
@@ -133,6 +150,21 @@ PRESETS: dict[str, Preset] = {
         {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}},
         {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
     ),
+    # ERNIE-4.5-VL-28B-A3B's vision config (the transformers defaults), its text width as the output width.
+    "random:ernie-4.5-vl-28b-a3b": Preset("ernie4_5_vl_moe", ERNIE_VL_VISION, ERNIE_PRE),
+    "tiny-ernie4.5-vl-moe": Preset(
+        "ernie4_5_vl_moe",
+        dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=80),
+        {**ERNIE_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+    ),
+    # MiniMax-M3's vision config (the transformers defaults), its projector and text widths.
+    "random:minimax-m3": Preset("minimax_m3_vl", MINIMAX_M3_VISION, MINIMAX_PRE),
+    "tiny-minimax-m3": Preset(
+        "minimax_m3_vl",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+             out_hidden_size=80, projector_hidden_size=48),
+        {**MINIMAX_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+    ),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -162,6 +194,8 @@ def full_config(preset: Preset):
         text["rope_parameters"] = rope
     if preset.family == "glm4v_moe":  # a small mixture: the text part is never run, only written
         text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+    if family in ("ernie4_5_vl_moe", "minimax_m3_vl"):
+        return _projected_config(preset, text)
     if family in ("qwen2_5_omni", "qwen3_omni_moe"):
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
                      output_dim=64, n_window=4, max_source_positions=64)
@@ -178,3 +212,25 @@ def full_config(preset: Preset):
 BENCH_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
 BENCH_FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b",
                        "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]
+
+
+def _projected_config(preset: Preset, text: dict[str, Any]):
+    """ERNIE-4.5-VL's and MiniMax-M3's whole config: their tower's output width is the text model's width, so
+    the tiny text part takes the preset's `out_hidden_size` (and MiniMax's projector its hidden size)."""
+    from transformers import AutoConfig
+
+    vision = {k: v for k, v in preset.vision.items() if k not in OUTSIDE_VISION}
+    width = preset.vision["out_hidden_size"]
+    text = {**text, "hidden_size": width}
+    half = width // text["num_attention_heads"] // 2  # rotary frequencies per head
+    if preset.family == "ernie4_5_vl_moe":
+        t = half // 4
+        text.update(moe_num_experts=2, moe_k=1, moe_intermediate_size=[32, 32], moe_num_shared_experts=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": [(half - t) // 2, half - t - (half - t) // 2, t]})
+        return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text)
+    text.update(num_local_experts=2, num_experts_per_tok=1, head_dim=16, rotary_dim=8, dense_intermediate_size=64,
+                shared_intermediate_size=32, index_head_dim=16)
+    text.pop("rope_parameters", None)
+    return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text,
+                                projector_hidden_size=preset.vision["projector_hidden_size"])

@@ -3,8 +3,10 @@
 
 from models.families import (  # noqa: F401  (registration)
     cohere_compass,
+    ernie4_5_vl_moe,
     exaone4_5,
     glm4v,
+    minimax_m3_vl,
     qwen2_5_omni,
     qwen2_5_vl,
     qwen2_vl,

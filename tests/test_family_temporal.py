@@ -1,0 +1,216 @@
+"""ERNIE-4.5-VL and MiniMax-M3 against transformers' own models, loaded from the same safetensors written by
+`save_pretrained` (fp32, CPU): images through `get_image_features`, videos through `get_video_features`,
+several sizes and batches; the token count per item (ERNIE: a video's frames pair up) against the reference's
+and its processor's placeholder count; padding to a larger capacity; the item geometries the packing reads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from models import load_tower
+from models.config import ProcessorConfig
+from models.geometries import ClipSegmentsGeometry, TemporalPairGeometry
+from models.loader import build_tower
+from models.presets import PRESETS, full_config
+from models.rotary import AxialRotary
+from tests.checkpoints import CLASSES
+from tests.test_towers import random_pixels, rel_err, run_ours
+
+TOL = 1e-4
+PRESET_NAMES = ["tiny-ernie4.5-vl-moe", "tiny-minimax-m3"]
+IMAGE_GRIDS = [(1, 8, 12), (1, 16, 8), (1, 2, 2), (1, 20, 36), (1, 10, 6)]
+# ERNIE: even frame counts (its processor repeats the last frame of an odd count: transformers' model fails on
+# an odd one, whose last frame its resampler drops but its split counts); MiniMax: clips longer than
+# its four-temporal-patch attention segments, and one shorter.
+VIDEO_GRIDS = {"tiny-ernie4.5-vl-moe": [(4, 8, 12), (2, 6, 6), (6, 4, 10)],
+               "tiny-minimax-m3": [(6, 8, 12), (3, 6, 6), (9, 4, 4)]}
+
+
+def reference_model(name: str, seed: int = 0):
+    """transformers' whole model for a tiny preset, fp32, seeded, with non-trivial norms and biases in the
+    tower and its projector, and matrices scaled to their fan-in, so that attention mixes patches as much as a
+    trained tower's does (transformers' 0.02 init leaves it near uniform: a wrong segment or position would
+    hide in the tolerance). The text part is never run."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[PRESETS[name].family])._from_config(
+        full_config(PRESETS[name]), dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "language_model" in key:
+                continue
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, p[0].numel() ** -0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=PRESET_NAMES)
+def checkpoint(request, tmp_path_factory):
+    name = request.param
+    folder = tmp_path_factory.mktemp(name.replace(".", "_"))
+    model = reference_model(name)
+    model.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PRESETS[name].preprocessor))
+    return name, load_tower(str(folder), device="cpu", dtype="float32"), model
+
+
+def normalized(tower, pixels: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(tower.processor.normalize(pixels.numpy()))
+
+
+def test_image_parity_with_transformers(checkpoint):
+    _, tower, model = checkpoint
+    for seed, grids in enumerate([IMAGE_GRIDS, IMAGE_GRIDS[:1], IMAGE_GRIDS[::-1]]):
+        pixels = random_pixels(tower, grids, seed)
+        ours = run_ours(tower, grids, pixels)
+        with torch.no_grad():
+            out = model.model.get_image_features(pixel_values=normalized(tower, pixels),
+                                                 image_grid_thw=torch.tensor(grids))
+        expected = torch.cat(out.pooler_output)
+        assert [len(p) for p in out.pooler_output] == [tower.geometry.tokens(g, "image") for g in grids]
+        assert ours.embeds.shape == expected.shape == (sum(h * w for _, h, w in grids) // 4, tower.out_hidden_size)
+        assert rel_err(ours.embeds, expected) <= TOL
+
+
+def test_video_parity_with_transformers(checkpoint):
+    """A video item is one grid here; transformers' MiniMax takes it as its processor cuts it (one grid per
+    attention segment of four temporal patches, positions restarting in each)."""
+    name, tower, model = checkpoint
+    grids = VIDEO_GRIDS[name]
+    pixels = random_pixels(tower, grids, 3)
+    cap = tower.required_capacity(grids, "video")
+    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+    with torch.no_grad():
+        ours = tower(pixels, meta, cap).embeds
+    reference_grids = grids
+    if isinstance(tower.geometry, ClipSegmentsGeometry):
+        reference_grids = [(n, h, w) for t, h, w in grids for n in tower.geometry.frames((t, h, w))]
+    with torch.no_grad():
+        out = model.model.get_video_features(pixel_values_videos=normalized(tower, pixels),
+                                             video_grid_thw=torch.tensor(reference_grids))
+    expected = torch.cat(out.pooler_output)
+    tokens = [tower.geometry.tokens(g, "video") for g in grids]
+    assert ours.shape[0] == tower.geometry.output_rows(cap) == sum(tokens) == expected.shape[0]
+    assert rel_err(ours, expected) <= TOL
+
+
+def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
+    name, tower, _ = checkpoint
+    for modality, grids in (("image", IMAGE_GRIDS[:3]), ("video", VIDEO_GRIDS[name][:2])):
+        pixels = random_pixels(tower, grids)
+        need = tower.required_capacity(grids, modality)
+        exact_meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, need).items()}
+        with torch.no_grad():
+            exact = tower(pixels, exact_meta, need).embeds
+        cap = type(need)(patches=need.patches + 64 * tower.merge_unit, segments=need.segments + 5,
+                         max_seqlen=need.max_seqlen * 2, modality=modality)
+        padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
+        padded[: len(pixels)] = pixels
+        meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+        assert all(isinstance(v, np.ndarray) for v in tower.build_metadata(grids, cap).values())
+        with torch.no_grad():
+            out = tower(padded, meta, cap).embeds
+        assert out.shape[0] == tower.geometry.output_rows(cap)
+        assert rel_err(out[: exact.shape[0]], exact) < 1e-6, modality
+
+
+def test_geometries():
+    pair = TemporalPairGeometry(2)
+    assert pair.tokens((1, 8, 12)) == 24 and pair.tokens((6, 8, 12), "video") == 72
+    assert pair.segment_lengths((6, 8, 12)) == [96] * 6 and not pair.splits_over_time
+    clip = ClipSegmentsGeometry(2, segment_frames=4)
+    assert clip.frames((9, 4, 4)) == [4, 4, 1] and clip.segment_lengths((9, 4, 4)) == [64, 64, 16]
+    assert clip.tokens((9, 4, 4)) == 36 and clip.whole_clip and not clip.splits_over_time
+    assert ClipSegmentsGeometry(2).frames((9, 4, 4)) == [9]
+
+
+def test_a_one_frame_video_is_refused_for_ernie(checkpoint):
+    name, tower, _ = checkpoint
+    if name != "tiny-ernie4.5-vl-moe":
+        pytest.skip("ERNIE only")
+    with pytest.raises(ValueError, match="at least two frames"):
+        tower.required_capacity([(1, 4, 4)], "video")
+
+
+def test_ernie_placeholders_equal_the_tokens():
+    """Ernie4_5_VLMoeProcessor's own placeholder expansion (its methods, on the settings its image and video
+    processors hold) gives each item as many tokens as the geometry: the rows vitserve returns."""
+    from types import SimpleNamespace
+
+    from transformers.models.ernie4_5_vl_moe.processing_ernie4_5_vl_moe import Ernie4_5_VLMoeProcessor
+
+    processor = SimpleNamespace(image_processor=SimpleNamespace(merge_size=2), image_token="I", video_token="V",
+                                video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2))
+    geometry = TemporalPairGeometry(2)
+    for t, h, w in [(1, 8, 12), (4, 8, 12), (2, 6, 6), (10, 20, 4)]:
+        grid = torch.tensor([[t, h, w]])
+        if t == 1:
+            text = Ernie4_5_VLMoeProcessor.replace_image_token(processor, {"image_grid_thw": grid}, 0)
+        else:
+            text = Ernie4_5_VLMoeProcessor.replace_video_token(processor, {"video_grid_thw": grid}, 0)
+        assert len(text) == geometry.tokens((t, h, w), "image" if t == 1 else "video")
+
+
+def test_minimax_rotary_bands_match_transformers():
+    """AxialRotary over three axes has MiniMax's frequencies and rotated width (a partial rotary)."""
+    from transformers import AutoConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLVisionRotaryEmbedding
+
+    for heads, hidden in ((16, 1280), (4, 64), (8, 96)):
+        cfg = AutoConfig.for_model("minimax_m3_vl", vision_config=dict(hidden_size=hidden, num_attention_heads=heads))
+        ref = MiniMaxM3VLVisionRotaryEmbedding(cfg.vision_config)
+        ours = AxialRotary(hidden // heads, 10000.0, axes=3)
+        assert torch.equal(ours.inv_freq, ref.inv_freq)
+        pos = torch.tensor([[0, 1, 2], [3, 5, 7]])
+        cos, _ = ref(torch.zeros(1), pos)
+        ours_cos, _ = ours(pos)
+        assert ours_cos.shape[-1] == cos.shape[-1] == ours.rotated_dims <= hidden // heads
+        assert torch.allclose(ours_cos[:, 0, 0], cos)
+
+
+@pytest.mark.parametrize("preset", ["random:ernie-4.5-vl-28b-a3b", "random:minimax-m3"])
+def test_full_size_parameters_match_transformers(preset):
+    """The released sizes: our tower holds as many parameters, of the same shapes, as transformers' tower and
+    projector."""
+    import transformers
+
+    p = PRESETS[preset]
+    cfg = full_config(p)
+    processor = ProcessorConfig.from_dicts(p.family, p.preprocessor, p.video_preprocessor)
+    ours = build_tower(p.family, tower_config(p.family, cfg), processor, "sdpa")
+    with torch.device("meta"):
+        ref = getattr(transformers, CLASSES[p.family])._from_config(cfg).model
+    shapes = sorted(tuple(v.shape) for k, v in ref.state_dict().items() if "language_model" not in k)
+    assert sorted(tuple(v.shape) for v in ours.state_dict().values()) == shapes
+    assert sum(x.numel() for x in ours.parameters()) > 600e6
+
+
+def tower_config(family: str, cfg):
+    from models.families import FAMILIES
+
+    return FAMILIES[family].vision_config(cfg)
+
+
+def test_a_clip_of_more_segments_than_a_graph_holds_runs_eagerly():
+    """MiniMax cuts a video into attention segments of four temporal patches: with one item per batch, a video
+    of eight temporal patches (two segments) is beyond every graph's segments and runs eagerly, not crashing
+    the packing."""
+    from graphs.packing import eager_reason, pack
+    from graphs.runner import plan_for, to_pack_item
+    from models.config import VisualInput
+
+    tower = load_tower("tiny-minimax-m3", device="cpu", dtype="float32")
+    video = VisualInput("video", np.zeros((8 * 16, tower.processor.patch_dim), np.uint8), (8, 4, 4))
+    one = plan_for(tower, max_batch_tokens=256, budgets=[64, 256], max_items=1)
+    item = to_pack_item(video, tower.geometry)
+    assert item.segments == 2 and eager_reason(item, one) == "too_many_segments"
+    assert [b.reason for b in pack([item], one)] == ["too_many_segments"]
+    two = plan_for(tower, max_batch_tokens=256, budgets=[64, 256], max_items=2)
+    assert eager_reason(item, two) is None and pack([item], two)[0].replays
