@@ -70,6 +70,6 @@ ERNIE4_5_VL_MOE = register(Family(
         "text_rms_norm_eps": lambda config: config.text_config.rms_norm_eps,
     },
     processor_defaults={"temporal_patch_size": 1, "patch_size": 14, "merge_size": 2},
-    image_processor="Ernie4_5_VLMoeImageProcessorPil", hf_class="Ernie4_5_VLMoeForConditionalGeneration",
+    image_processor="Ernie4_5_VLMoeImageProcessor", hf_class="Ernie4_5_VLMoeForConditionalGeneration",
     tower=ErnieTower, video=False, vllm_embedding_parts=False,
 ))

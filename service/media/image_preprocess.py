@@ -33,7 +33,7 @@ from service.media.errors import (
 )
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
-from service.media.rules import image_sizing
+from service.media.rules import image_resize, image_sizing
 
 MAX_ASPECT_RATIO = 200
 
@@ -154,6 +154,18 @@ def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patc
     return out.reshape(grid_h * grid_w, 3 * t * p * p)
 
 
+def torch_bicubic_resize(image: Image.Image, width: int, height: int) -> Image.Image:
+    """torchvision's `resize(uint8 tensor, BICUBIC, antialias=True)` on the CPU, which is torch's own uint8
+    bicubic antialiased interpolation (align_corners=False), without torchvision. torch is imported here
+    only: the families that resize this way are few."""
+    import torch
+    import torch.nn.functional as F
+
+    planes = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)[None]
+    out = F.interpolate(planes, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
+    return Image.fromarray(np.ascontiguousarray(out[0].permute(1, 2, 0).numpy()), "RGB")
+
+
 def image_grid(
     height: int, width: int, cfg: ProcessorConfig, min_pixels: int | None = None, max_pixels: int | None = None
 ) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -217,7 +229,9 @@ def preprocess_image(
         check_tokens(grid, cfg, max_tokens)
     if image.mode != "RGB" or has_alpha(image):
         image = to_rgb(image)
-    if (new_w, new_h) != (width, height):
+    if (new_w, new_h) != (width, height) and image_resize(cfg) == "torch":
+        image = torch_bicubic_resize(image, new_w, new_h)
+    elif (new_w, new_h) != (width, height):
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.
         image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)

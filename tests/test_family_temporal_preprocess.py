@@ -1,0 +1,93 @@
+"""ERNIE-4.5-VL's and MiniMax-M3's image preprocessing against their own processor classes.
+
+ERNIE: `Ernie4_5_VLMoeImageProcessorPil` runs here (tests/test_family_preprocess.py covers it with the other
+Qwen-sized families; here its one-frame patch rows and its defaults where a config leaves them out).
+MiniMax: `MiniMaxM3VLImageProcessor` exists only with torchvision, which vitserve's environment lacks; it runs
+in vLLM's environment (torch 2.14.1 and torchvision 0.29.1 on the CPU, transformers 5.20.2, whose MiniMax
+image processor file is transformers 5.24's byte for byte), through tests/torchvision_processor_driver.py,
+on the same PNG files: grids equal, pixels equal to float32 rounding. vitserve's side reproduces torchvision's
+uint8 bicubic (torch's own antialiased kernel) without importing torchvision.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+from PIL import Image
+
+from models.loader import processor_config_from_folder
+from models.presets import PRESETS
+from service.media.image_preprocess import preprocess_image_bytes, torch_bicubic_resize
+from tests.test_vllm_handoff import run_driver
+
+SIZES = [(97, 143), (300, 500), (37, 810), (64, 64), (1000, 700), (41, 30)]  # (width, height)
+
+
+def image_bytes(width: int, height: int, seed: int) -> bytes:
+    """A photo-like image (smooth gradients plus noise), so that bicubic ringing and rounding both show."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([128 + 100 * np.sin(x / (7 + c) + y / (11 + c)) for c in range(3)], -1)
+    pixels = np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_minimax_images_equal_its_torchvision_processor(tmp_path):
+    config = dict(PRESETS["random:minimax-m3"].preprocessor)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    cfg = processor_config_from_folder(tmp_path, "minimax_m3_vl")
+    paths = []
+    for seed, (width, height) in enumerate(SIZES):
+        path = tmp_path / f"image{seed}.png"
+        path.write_bytes(image_bytes(width, height, seed))
+        paths.append(str(path))
+    report = run_driver("torchvision_processor_driver.py", {"class": "MiniMaxM3VLImageProcessor", "config": config,
+                                                            "images": paths}, tmp_path)
+    assert report["class"] == "MiniMaxM3VLImageProcessor"
+    reference = np.load(tmp_path / "processed.npz")
+    resized = 0
+    for i, path in enumerate(paths):
+        ours = preprocess_image_bytes(open(path, "rb").read(), cfg)
+        assert ours.grid_thw == tuple(int(v) for v in reference[f"image_grid_thw_{i}"][0]), SIZES[i]
+        pixels = reference[f"pixel_values_{i}"]
+        assert pixels.shape == ours.pixels.shape
+        assert float(np.abs(cfg.normalize(ours.pixels) - pixels).max()) <= 1e-5, SIZES[i]
+        resized += ours.meta["resized"] != ours.meta["orig_size"]
+    assert resized >= 4  # the resize itself was compared, not only copies
+
+
+def test_torch_bicubic_differs_from_pil():
+    """The two resizes are not interchangeable: a family's choice matters (MiniMax's is torchvision's)."""
+    image = Image.open(io.BytesIO(image_bytes(300, 500, 1)))
+    ours = np.asarray(torch_bicubic_resize(image, 224, 392)).astype(int)
+    pil = np.asarray(image.resize((224, 392), Image.Resampling.BICUBIC)).astype(int)
+    assert ours.shape == pil.shape and np.abs(ours - pil).max() >= 1
+
+
+def test_ernie_rows_are_one_frame_and_defaults_fill_a_bare_config(tmp_path):
+    """ERNIE's patch rows hold one frame (3*14*14); a preprocessor config without the patch settings gets the
+    processor class's (one frame per row), not Qwen2-VL's two."""
+    import transformers
+
+    bare = {"image_processor_type": "Ernie4_5_VLMoeImageProcessor"}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(bare))
+    cfg = processor_config_from_folder(tmp_path, "ernie4_5_vl_moe")
+    assert (cfg.temporal_patch_size, cfg.patch_dim) == (1, 588)
+    reference = transformers.Ernie4_5_VLMoeImageProcessorPil()
+    for seed, (width, height) in enumerate(SIZES[:4]):
+        data = image_bytes(width, height, seed)
+        ours = preprocess_image_bytes(data, cfg)
+        out = reference(Image.open(io.BytesIO(data)), return_tensors="np")
+        assert ours.grid_thw == tuple(int(v) for v in out["image_grid_thw"][0])
+        assert float(np.abs(cfg.normalize(ours.pixels) - np.asarray(out["pixel_values"])).max()) <= 1e-5
+
+
+def test_minimax_released_size_setting_is_replaced_by_the_processor_default(tmp_path):
+    """MiniMax-M3's processor replaces the release's `size` of [672, 672] by its own bounds."""
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": [672, 672]}))
+    cfg = processor_config_from_folder(tmp_path, "minimax_m3_vl")
+    assert (cfg.min_pixels, cfg.max_pixels) == (3136, 451584)
