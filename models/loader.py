@@ -214,6 +214,17 @@ def tower_key(key: str, prefixes: tuple[str, ...], spec: Family | None = None) -
     return None
 
 
+def checkpoint_key(name: str, spec: Family) -> str:
+    """A tower tensor's name in the family's checkpoints as transformers' save_pretrained writes them (the
+    inverse of `tower_key`): for writing a tower's weights where transformers reads them."""
+    for prefix, module in spec.module_prefixes:
+        if module and name.startswith(module):
+            return prefix + name[len(module) :]
+    for old, new in reversed(spec.key_renames):
+        name = name.replace(new, old)
+    return spec.prefixes[-1] + name
+
+
 def _read_vision(folder: Path, prefixes: tuple[str, ...], read: Any, spec: Family | None = None) -> dict[str, Any]:
     from safetensors import safe_open
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cuda
 # Qwen3.5-MoE Qwen3.5's: one of each pair is enough for the kernels, both for the wiring).
 FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b",
         "random:qwen3-vl-30b-a3b", "random:qwen3.5-27b", "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b",
-        "random:exaone-4.5-33b"]
+        "random:exaone-4.5-33b", "random:ernie-4.5-vl-28b-a3b", "random:minimax-m3"]
 DEV = torch.device("cuda")
 
 

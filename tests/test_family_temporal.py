@@ -214,3 +214,22 @@ def test_a_clip_of_more_segments_than_a_graph_holds_runs_eagerly():
     assert [b.reason for b in pack([item], one)] == ["too_many_segments"]
     two = plan_for(tower, max_batch_tokens=256, budgets=[64, 256], max_items=2)
     assert eager_reason(item, two) is None and pack([item], two)[0].replays
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_the_benchmark_reference_carries_the_tower_s_weights(name):
+    """service.bench.towers.hf_visual (the GPU tests' and `vitserve bench`'s reference) for a family with a
+    projector beside its vision model: transformers' whole model loaded from the tower's weights under the
+    checkpoints' names, equal to the tower on images and (MiniMax: cut into segments) videos."""
+    from service.bench.towers import hf_grid_thw, hf_visual
+
+    tower = load_tower(name, device="cpu", dtype="float32")
+    reference = hf_visual(tower)
+    for modality, grids in (("image", IMAGE_GRIDS[:3]), ("video", VIDEO_GRIDS[name][:2])):
+        pixels = random_pixels(tower, grids, 1)
+        cap = tower.required_capacity(grids, modality)
+        meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+        with torch.no_grad():
+            ours = tower(pixels, meta, cap).embeds
+            expected = reference(normalized(tower, pixels), grid_thw=torch.tensor(hf_grid_thw(tower, grids)))
+        assert rel_err(ours, expected) <= TOL, modality

@@ -59,6 +59,13 @@ class ErnieTower(QwenTower):
         return TowerOutput(self.resampler_model(self.ln(x), meta), [])
 
 
+def reference_features(model: Any, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """transformers' features for packed pixels (the benchmarks' and GPU tests' reference): its vision model,
+    then its resampler, without `get_image_features`' per-item split (which counts an image's rows only)."""
+    inner = model.model
+    return inner.resampler_model(inner.vision_tower(pixels, grid_thw).last_hidden_state, grid_thw)
+
+
 ERNIE4_5_VL_MOE = register(Family(
     "ernie4_5_vl_moe", "ERNIE-4.5-VL", dims=standard_dims,
     # the released checkpoints keep the vision model at the top level, transformers' save_pretrained under model.
@@ -71,5 +78,5 @@ ERNIE4_5_VL_MOE = register(Family(
     },
     processor_defaults={"temporal_patch_size": 1, "patch_size": 14, "merge_size": 2},
     image_processor="Ernie4_5_VLMoeImageProcessor", hf_class="Ernie4_5_VLMoeForConditionalGeneration",
-    tower=ErnieTower, video=False, vllm_embedding_parts=False,
+    tower=ErnieTower, video=False, vllm_embedding_parts=False, extra={"reference_features": reference_features},
 ))

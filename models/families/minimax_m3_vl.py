@@ -65,6 +65,14 @@ def minimax_dims(cfg: Any) -> Dims:
                 depth=cfg.num_hidden_layers, out=cfg.out_hidden_size)
 
 
+def reference_features(model: Any, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """transformers' features for packed pixels and grids cut into attention segments (the benchmarks' and GPU
+    tests' reference): its vision model, then its projector."""
+    inner = model.model
+    hidden = inner.vision_tower(pixel_values=pixels, grid_thw=grid_thw).last_hidden_state
+    return inner.multi_modal_projector(hidden.squeeze(0))
+
+
 # The released checkpoint's names (transformers' save_pretrained writes them too) for the shared layers'.
 MINIMAX_RENAMES = (
     ("embeddings.patch_embedding.", "patch_embed.proj."), ("encoder.layers.", "blocks."),
@@ -86,4 +94,5 @@ MINIMAX_M3_VL = register(Family(
                         "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 451584}},
     image_processor="MiniMaxM3VLImageProcessor", hf_class="MiniMaxM3SparseForConditionalGeneration",
     image_resize="torch", tower=MiniMaxTower, video=False, vllm_embedding_parts=False,
+    extra={"reference_features": reference_features},
 ))
