@@ -64,7 +64,7 @@ class Family:
     # (an image is a clip of temporal_patch_size frames: bounds on T*H*W). Videos: qwen-vl-utils' rules,
     # Qwen3VLVideoProcessor's or Glm4vVideoProcessor's (service/media/video_sampling.py).
     image_sizing: Literal["qwen2", "glm4v"] = "qwen2"
-    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v"] = "qwen2"
+    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v", "minimax"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # The seconds each temporal grid step spans, in vLLM 0.33's M-RoPE for video embeddings: its parser takes
@@ -95,6 +95,8 @@ class Family:
     # Preprocessor settings where a checkpoint's preprocessor config leaves them out: the processor class's
     # own defaults where they differ from Qwen2-VL's (ERNIE-4.5-VL: one frame per patch row).
     processor_defaults: dict[str, Any] = field(default_factory=dict)
+    # The same for the video processor's settings (MiniMax-M3's: its own frame bounds and rate).
+    video_processor_defaults: dict[str, Any] = field(default_factory=dict)
     # How images are resized: "pil" (PIL bicubic on uint8, as the *ImageProcessorPil classes) or "torch"
     # (torchvision's bicubic with antialias on uint8 tensors, as the processors that exist only with torchvision).
     image_resize: Literal["pil", "torch"] = "pil"

@@ -279,6 +279,8 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
         image = {**spec.processor_defaults, **image}
         if not isinstance(image.get("size", {}), dict):  # MiniMax-M3's release: [672, 672], which its
             image["size"] = spec.processor_defaults.get("size", {})  # processor replaces by its default
+        if spec.video_processor_defaults:
+            video = {**spec.video_processor_defaults, **(video or {})}
     # transformers' video processors (Qwen3-VL's, GLM's) read preprocessor_config.json when theirs is missing;
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":

@@ -40,6 +40,8 @@ ERNIE_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=5120, num_h
 # MiniMax-M3: MiniMaxM3VLImageProcessor's defaults.
 MINIMAX_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
                "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 451584}}
+MINIMAX_VIDEO_PRE = {**MINIMAX_PRE, "fps": 1.0, "min_pixels": 4 * 28 * 28, "max_pixels": 768 * 28 * 28,
+                     "min_frames": 4, "max_frames": 768}
 MINIMAX_M3_VISION = dict(num_hidden_layers=32, hidden_size=1280, intermediate_size=5120, num_attention_heads=16,
                          patch_size=14, temporal_patch_size=2, hidden_act="gelu", out_hidden_size=6144,
                          projector_hidden_size=6144)
@@ -158,12 +160,13 @@ PRESETS: dict[str, Preset] = {
         {**ERNIE_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
     ),
     # MiniMax-M3's vision config (the transformers defaults), its projector and text widths.
-    "random:minimax-m3": Preset("minimax_m3_vl", MINIMAX_M3_VISION, MINIMAX_PRE),
+    "random:minimax-m3": Preset("minimax_m3_vl", MINIMAX_M3_VISION, MINIMAX_PRE, MINIMAX_VIDEO_PRE),
     "tiny-minimax-m3": Preset(
         "minimax_m3_vl",
         dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              out_hidden_size=80, projector_hidden_size=48),
         {**MINIMAX_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+        {**MINIMAX_VIDEO_PRE, "max_pixels": 200704},
     ),
 }
 

@@ -36,8 +36,30 @@ def image_bytes(width: int, height: int, seed: int) -> bytes:
     return out.getvalue()
 
 
-def test_minimax_images_equal_its_torchvision_processor(tmp_path):
+def frame_colours(index: int, width: int, height: int) -> np.ndarray:
+    """Smooth content, different in every channel and frame (so frame choice and channel order show)."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    planes = [128 + 90 * np.sin(2 * np.pi * (x / width * 1.5 + index / 10)),
+              128 + 90 * np.cos(2 * np.pi * (y / height * 1.2 - index / 13)),
+              128 + 60 * np.sin(2 * np.pi * ((x + y) / (width + height) * 2 + index / 7))]
+    return np.clip(np.stack(planes, axis=-1).round(), 0, 255).astype(np.uint8)
+
+
+# (frames, fps, width, height) of the test clips: 1 fps sampling picks 3, 7 and 2 frames (odd counts are padded)
+CLIPS = [(25, 10.0, 96, 64), (40, 6.0, 200, 120), (12, 8.0, 64, 64)]
+# (total frames, video fps, requested fps) for the frame rule alone
+SAMPLING = [(25, 10.0, 1.0), (300, 29.97, 1.0), (61, 30.0, 2.0), (7, 2.5, 1.0), (100, 24.0, 0.5), (1, 30.0, 1.0)]
+
+
+def test_minimax_images_and_videos_equal_its_torchvision_processors(tmp_path):
+    """Images: grids and pixels. Videos: vLLM's frame rule for the model picks the same frames as ours (vitserve
+    decodes them; the video processor gets exactly those, unresized), then the processor's grid and pixels."""
+    from service.media.video_preprocess import preprocess_video_bytes
+    from service.media.video_sampling import minimax_frame_indices
+    from tests.videos import decode_all, make_video
+
     config = dict(PRESETS["random:minimax-m3"].preprocessor)
+    video_config = dict(PRESETS["random:minimax-m3"].video_preprocessor or {})
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
     cfg = processor_config_from_folder(tmp_path, "minimax_m3_vl")
     paths = []
@@ -45,10 +67,30 @@ def test_minimax_images_equal_its_torchvision_processor(tmp_path):
         path = tmp_path / f"image{seed}.png"
         path.write_bytes(image_bytes(width, height, seed))
         paths.append(str(path))
-    report = run_driver("torchvision_processor_driver.py", {"class": "MiniMaxM3VLImageProcessor", "config": config,
-                                                            "images": paths}, tmp_path)
+    videos, clips = [], []
+    for k, (frames, fps, width, height) in enumerate(CLIPS):
+        data = make_video(frames, fps=fps, width=width, height=height, codec="libx264", frame_fn=frame_colours)
+        ours = preprocess_video_bytes(data, cfg)
+        decoded, _ = decode_all(data)
+        picked = decoded[np.asarray(ours.meta["frame_indices"])]
+        np.save(tmp_path / f"video{k}.npy", np.ascontiguousarray(picked.transpose(0, 3, 1, 2)))
+        videos.append(str(tmp_path / f"video{k}.npy"))
+        clips.append(ours)
+    request = {"class": "MiniMaxM3VLImageProcessor", "config": config, "images": paths,
+               "video_class": "MiniMaxM3VLVideoProcessor", "video_config": video_config, "videos": videos,
+               "minimax_sampling": [list(c) for c in SAMPLING] + [[f, fps, 1.0] for f, fps, _, _ in CLIPS]}
+    report = run_driver("torchvision_processor_driver.py", request, tmp_path)
     assert report["class"] == "MiniMaxM3VLImageProcessor"
+    for (total, video_fps, fps), sampled in zip(request["minimax_sampling"], report["sampled"]):
+        assert minimax_frame_indices(total, video_fps, fps).tolist() == sampled, (total, video_fps, fps)
     reference = np.load(tmp_path / "processed.npz")
+    for k, ours in enumerate(clips):
+        assert ours.meta["frame_indices"] == report["sampled"][len(SAMPLING) + k]
+        grid = reference[f"video_grid_thw_{k}"]
+        assert ours.grid_thw == tuple(int(v) for v in grid[0]) and len(grid) == 1  # 5.20's processor: one grid
+        pixels = reference[f"pixel_values_videos_{k}"]
+        assert pixels.shape == ours.pixels.shape
+        assert float(np.abs(cfg.normalize(ours.pixels) - pixels).max()) <= 1e-5, CLIPS[k]
     resized = 0
     for i, path in enumerate(paths):
         ours = preprocess_image_bytes(open(path, "rb").read(), cfg)

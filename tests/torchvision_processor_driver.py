@@ -3,8 +3,11 @@ torchvision; vitserve's has not), on image files: `tests/test_family_temporal_pr
 output with vitserve's preprocessing.
 
 Request (JSON on stdin): {"class": transformers' class name, "config": its preprocessor config,
-"images": [file paths]}. Writes `processed.npz` (pixel_values_<i>, image_grid_thw_<i>) in the working folder
-and prints one JSON line: the versions it ran with.
+"images": [file paths]}, and optionally {"video_class", "video_config", "videos": [.npy files of uint8
+[T, C, H, W] frames]} (the video processor on those frames, no sampling of its own) and {"minimax_sampling":
+[[total_frames, video_fps, fps], ...]} (the frames vLLM's MiniMax-M3 loader picks). Writes `processed.npz`
+(pixel_values_<i>, image_grid_thw_<i>, pixel_values_videos_<i>, video_grid_thw_<i>) in the working folder
+and prints one JSON line: the versions it ran with and the sampled frame indices.
 """
 
 from __future__ import annotations
@@ -28,9 +31,25 @@ def main() -> None:
             batch = processor(image, return_tensors="pt")
         out[f"pixel_values_{i}"] = batch["pixel_values"].float().numpy()
         out[f"image_grid_thw_{i}"] = batch["image_grid_thw"].numpy()
+    if request.get("videos"):
+        videos = getattr(transformers, request["video_class"])(**request["video_config"])
+        for i, path in enumerate(request["videos"]):
+            batch = videos([torch.from_numpy(np.load(path))], do_sample_frames=False, return_tensors="pt")
+            out[f"pixel_values_videos_{i}"] = batch["pixel_values_videos"].float().numpy()
+            out[f"video_grid_thw_{i}"] = batch["video_grid_thw"].numpy()
+    sampled = []
+    if request.get("minimax_sampling"):
+        from vllm.models.minimax_m3.common.mm_preprocess import MiniMaxM3VideoBackend
+        from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata
+
+        for total, video_fps, fps in request["minimax_sampling"]:
+            source = VideoSourceMetadata(total_frames_num=total, original_fps=video_fps, duration=total / video_fps)
+            target = VideoTargetMetadata(num_frames=-1, fps=fps, max_duration=300)
+            sampled.append(MiniMaxM3VideoBackend.compute_frames_index_to_sample(source, target))
     np.savez("processed.npz", **out)
     print(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
-                      "torchvision": torchvision.__version__, "class": type(processor).__name__}))
+                      "torchvision": torchvision.__version__, "class": type(processor).__name__,
+                      "sampled": sampled}))
 
 
 if __name__ == "__main__":

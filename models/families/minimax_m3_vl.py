@@ -93,6 +93,9 @@ MINIMAX_M3_VL = register(Family(
     processor_defaults={"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
                         "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 451584}},
     image_processor="MiniMaxM3VLImageProcessor", hf_class="MiniMaxM3SparseForConditionalGeneration",
-    image_resize="torch", tower=MiniMaxTower, video=False, vllm_embedding_parts=False,
+    # MiniMaxM3VLVideoProcessor's own settings: frames sized alone between these bounds (not its `size`)
+    video_processor_defaults={"fps": 1.0, "min_pixels": 4 * 28 * 28, "max_pixels": 768 * 28 * 28,
+                              "min_frames": 4, "max_frames": 768},
+    video_sampling="minimax", image_resize="torch", tower=MiniMaxTower, vllm_embedding_parts=False,
     extra={"reference_features": reference_features},
 ))

@@ -5,7 +5,8 @@ Frame sampling and per-frame sizes follow the reference each model family ships 
 `Qwen3VLVideoProcessor` for Qwen3-VL).
 
 Frames are resized one by one with PIL bicubic on uint8, like the image path (the references
-resize torch tensors with torchvision bicubic+antialias; see docs/video.md), and patchified into
+resize torch tensors with torchvision bicubic+antialias; see docs/video.md), or with that very torch
+kernel where the family's images are (MiniMax-M3: `Family.image_resize`), and patchified into
 `pixel_values_videos` order: rows (t, h-block, w-block, merge-row, merge-col), columns
 (channel, temporal, patch-row, patch-col). An odd frame count is padded with the last frame.
 
@@ -35,7 +36,9 @@ from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
+from service.media.image_preprocess import torch_bicubic_resize
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
+from service.media.rules import image_resize
 from service.media.video import VideoInfo, VideoReader
 from service.media.video_sampling import SamplingPlan, VideoOptions, plan_sampling
 
@@ -102,7 +105,9 @@ class _PatchWriter:
         p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
         image = Image.fromarray(rgb)
-        if image.size != (w, h):
+        if image.size != (w, h) and image_resize(self.cfg) == "torch":
+            image = torch_bicubic_resize(image, w, h)
+        elif image.size != (w, h):
             image = image.resize((w, h), Image.Resampling.BICUBIC)
         row = np.dtype((np.void, p))
         for channel, band in enumerate("RGB"):

@@ -10,6 +10,8 @@ The rules follow the reference each model family ships with:
 * GLM-4.1V, GLM-4.5V, GLM-OCR: transformers' `Glm4vVideoProcessor` (`sample_frames`: frames at fps
   up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
 * GLM-4.6V: `Glm46VVideoProcessor` (a frame rate chosen by the clip's length, at most 640 frames).
+* MiniMax-M3: `MiniMaxM3VLVideoProcessor` takes the frames it is given; they are vLLM's for the model (one a
+  second), each sized by `smart_resize` between the video processor's min_pixels and max_pixels.
 
 `service.media.rules` says which of these a family follows.
 
@@ -290,6 +292,26 @@ def glm46v_frame_indices(total_frames: int, video_fps: float, temporal_patch_siz
     return np.asarray(unique, dtype=np.int64)
 
 
+# -- MiniMax-M3: frames a second apart ----------------------------------------------------------------
+
+
+def minimax_frame_indices(total_frames: int, video_fps: float, fps: float = 1.0) -> np.ndarray:
+    """MiniMax-M3's frames: MiniMaxM3VLVideoProcessor takes the frames it is given (`do_sample_frames` is off),
+    and vLLM's loader for the model (`MiniMaxM3VideoBackend`, vLLM 0.33) gives it one every 1/fps seconds of
+    presentation time: frame 0, then the first frame at least 1/fps - 1e-4 s after the last one kept."""
+    if total_frames <= 0 or video_fps <= 0 or fps <= 0:
+        return np.zeros(1 if total_frames > 0 else 0, dtype=np.int64)
+    picked: list[int] = []
+    kept = -math.inf
+    while True:
+        frame = 0 if not picked else max(math.ceil((kept + 1.0 / fps - 1e-4) * video_fps), picked[-1] + 1)
+        if frame >= total_frames:
+            break
+        picked.append(frame)
+        kept = frame / video_fps
+    return np.asarray(picked or [0], dtype=np.int64)
+
+
 # -- planning -------------------------------------------------------------------------------------
 
 
@@ -430,6 +452,23 @@ def plan_sampling(
             return clip_smart_resize(
                 n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi_budget
             )
+
+    elif rules == "minimax":
+        # Frames a second apart (at the config's fps); a request's nframes, or more frames than max_frames,
+        # spread evenly over the clip instead. Each frame is sized alone, as the image rule does.
+        cap = vcfg.max_frames if max_frames is None else max_frames
+        indices = minimax_frame_indices(count, video_fps, want_fps)
+        if nframes is not None or len(indices) > cap:
+            adjusted = None if nframes is not None else "max_frames"
+            indices = np.linspace(0, count - 1, nframes or cap).round().astype(np.int64)
+        elif len(indices) < max(math.floor(count / video_fps * want_fps), 1):
+            adjusted = "frame_count"  # fps above the video's
+        indices = first + indices
+        n = len(indices)
+        hi_frame = vcfg.max_pixels if max_pixels is None else max_pixels
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return smart_resize(height, width, factor, lo_px, hi_frame)
 
     else:
         raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
