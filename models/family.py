@@ -64,7 +64,7 @@ class Family:
     # (an image is a clip of temporal_patch_size frames: bounds on T*H*W). Videos: qwen-vl-utils' rules,
     # Qwen3VLVideoProcessor's or Glm4vVideoProcessor's (service/media/video_sampling.py).
     image_sizing: Literal["qwen2", "glm4v"] = "qwen2"
-    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v", "minimax"] = "qwen2"
+    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v", "minimax", "ernie"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # The seconds each temporal grid step spans, in vLLM 0.33's M-RoPE for video embeddings: its parser takes
@@ -100,6 +100,9 @@ class Family:
     # How images are resized: "pil" (PIL bicubic on uint8, as the *ImageProcessorPil classes) or "torch"
     # (torchvision's bicubic with antialias on uint8 tensors, as the processors that exist only with torchvision).
     image_resize: Literal["pil", "torch"] = "pil"
+    # The same for video frames: transformers' video processors all resize with torchvision; "pil" is the
+    # Qwen-VL families' close approximation (docs/video.md), "torch" that exact kernel.
+    video_resize: Literal["pil", "torch"] = "pil"
 
     def derive(self, **changes: Any) -> Family:
         """This family with `changes`: how a relative is described."""

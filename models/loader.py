@@ -281,6 +281,12 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
             image["size"] = spec.processor_defaults.get("size", {})  # processor replaces by its default
         if spec.video_processor_defaults:
             video = {**spec.video_processor_defaults, **(video or {})}
+    if video and video.get("draw_on_frames"):  # the font ships beside the configs (ERNIE-4.5-VL)
+        font = folder / str(video.get("font") or "")
+        if not video.get("font") or not font.is_file():
+            raise FileNotFoundError(f"the video processor draws timestamps with the font {video.get('font')!r}, "
+                                    f"which is not in {folder}")
+        video = {**video, "font": str(font)}
     # transformers' video processors (Qwen3-VL's, GLM's) read preprocessor_config.json when theirs is missing;
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":

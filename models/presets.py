@@ -33,6 +33,10 @@ GLM41V_VISION = dict(depth=24, hidden_size=1536, intermediate_size=13696, out_hi
 # ERNIE-4.5-VL: Ernie4_5_VLMoeImageProcessorPil's defaults (one frame per patch row).
 ERNIE_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 1,
              "size": {"shortest_edge": 3136, "longest_edge": 28 * 28 * 6177}}
+# Ernie4_5_VLMoeVideoProcessor's defaults but for the timestamps it draws (presets ship no font).
+ERNIE_VIDEO_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "fps": 0, "min_frames": 16,
+                   "max_frames": 180, "draw_on_frames": False,
+                   "size": {"shortest_edge": 299 * 28 * 28, "longest_edge": 1196 * 28 * 28}}
 # `out_hidden_size` of the ERNIE and MiniMax presets is the text width (their projectors' output), and
 # MiniMax's `projector_hidden_size` the projector's: both live outside the vision config (see full_config).
 ERNIE_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=5120, num_heads=16, patch_size=14,
@@ -153,11 +157,12 @@ PRESETS: dict[str, Preset] = {
         {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 8028160}},
     ),
     # ERNIE-4.5-VL-28B-A3B's vision config (the transformers defaults), its text width as the output width.
-    "random:ernie-4.5-vl-28b-a3b": Preset("ernie4_5_vl_moe", ERNIE_VL_VISION, ERNIE_PRE),
+    "random:ernie-4.5-vl-28b-a3b": Preset("ernie4_5_vl_moe", ERNIE_VL_VISION, ERNIE_PRE, ERNIE_VIDEO_PRE),
     "tiny-ernie4.5-vl-moe": Preset(
         "ernie4_5_vl_moe",
         dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=80),
         {**ERNIE_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+        {**ERNIE_VIDEO_PRE, "size": {"shortest_edge": 3136, "longest_edge": 200704}},
     ),
     # MiniMax-M3's vision config (the transformers defaults), its projector and text widths.
     "random:minimax-m3": Preset("minimax_m3_vl", MINIMAX_M3_VISION, MINIMAX_PRE, MINIMAX_VIDEO_PRE),

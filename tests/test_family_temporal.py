@@ -56,9 +56,16 @@ def checkpoint(request, tmp_path_factory):
     name = request.param
     folder = tmp_path_factory.mktemp(name.replace(".", "_"))
     model = reference_model(name)
+    write_folder(name, model, folder)
+    return name, load_tower(str(folder), device="cpu", dtype="float32"), model
+
+
+def write_folder(name: str, model, folder) -> None:
+    """save_pretrained plus the preset's preprocessor configs (ERNIE's draws no timestamps: no font ships)."""
     model.save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(json.dumps(PRESETS[name].preprocessor))
-    return name, load_tower(str(folder), device="cpu", dtype="float32"), model
+    if PRESETS[name].video_preprocessor:
+        (folder / "video_preprocessor_config.json").write_text(json.dumps(PRESETS[name].video_preprocessor))
 
 
 def normalized(tower, pixels: torch.Tensor) -> torch.Tensor:
@@ -131,10 +138,10 @@ def test_geometries():
     assert ClipSegmentsGeometry(2).frames((9, 4, 4)) == [9]
 
 
-def test_a_one_frame_video_is_refused_for_ernie(checkpoint):
-    name, tower, _ = checkpoint
-    if name != "tiny-ernie4.5-vl-moe":
-        pytest.skip("ERNIE only")
+def test_a_one_frame_video_is_refused_for_ernie():
+    """A video's rows are at most half its blocks (what a graph's output holds): its processor pads one frame
+    to two, and a grid of one frame is refused rather than overrun."""
+    tower = load_tower("tiny-ernie4.5-vl-moe", device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="at least two frames"):
         tower.required_capacity([(1, 4, 4)], "video")
 
@@ -233,3 +240,39 @@ def test_the_benchmark_reference_carries_the_tower_s_weights(name):
             ours = tower(pixels, meta, cap).embeds
             expected = reference(normalized(tower, pixels), grid_thw=torch.tensor(hf_grid_thw(tower, grids)))
         assert rel_err(ours, expected) <= TOL, modality
+
+
+def test_vitserve_encode_serves_both_checkpoints(checkpoint, tmp_path):
+    """`vitserve encode --model <folder>`: an image and a video, preprocessed by the family's rules, encoded
+    equal to transformers on those pixels, with the family's own token counts (ERNIE: a video's frames pair)."""
+    from safetensors import safe_open
+
+    from service.bench.towers import hf_grid_thw
+    from service.media.image_preprocess import preprocess_image_bytes
+    from service.media.video_preprocess import preprocess_video_bytes
+    from tests.test_cli import SAMPLE, VIDEO, vitserve
+
+    name, tower, model = checkpoint
+    folder = tmp_path / "model"
+    write_folder(name, model, folder)
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    media = [str(SAMPLE), str(VIDEO)]
+    out = tmp_path / "out.safetensors"
+    done = vitserve("encode", "--model", str(folder), "-o", str(out), *media)
+    assert done.returncode == 0, done.stderr
+    image = preprocess_image_bytes(SAMPLE.read_bytes(), tower.processor)
+    with torch.no_grad():
+        expected = [torch.cat(model.model.get_image_features(
+            pixel_values=normalized(tower, torch.from_numpy(image.pixels)),
+            image_grid_thw=torch.tensor([image.grid_thw])).pooler_output)]
+    video = preprocess_video_bytes(VIDEO.read_bytes(), tower.processor)
+    grids = hf_grid_thw(tower, [video.grid_thw])  # MiniMax: one grid per attention segment
+    with torch.no_grad():
+        expected.append(torch.cat(model.model.get_video_features(
+            pixel_values_videos=normalized(tower, torch.from_numpy(video.pixels)),
+            video_grid_thw=torch.tensor(grids)).pooler_output))
+    assert expected[1].shape[0] == tower.geometry.tokens(video.grid_thw, "video")
+    with safe_open(str(out), "pt") as f:
+        for k, want in enumerate(expected):
+            got = f.get_tensor(f"embeds.{k}")
+            assert got.shape == want.shape and rel_err(got, want) <= TOL

@@ -15,6 +15,7 @@ import io
 import json
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from models.loader import processor_config_from_folder
@@ -114,9 +115,13 @@ def test_ernie_rows_are_one_frame_and_defaults_fill_a_bare_config(tmp_path):
     """ERNIE's patch rows hold one frame (3*14*14); a preprocessor config without the patch settings gets the
     processor class's (one frame per row), not Qwen2-VL's two."""
     import transformers
+    from PIL import ImageFont
 
     bare = {"image_processor_type": "Ernie4_5_VLMoeImageProcessor"}
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(bare))
+    with pytest.raises(FileNotFoundError, match="Roboto-Regular.ttf"):  # its video processor's font, by default
+        processor_config_from_folder(tmp_path, "ernie4_5_vl_moe")
+    (tmp_path / "Roboto-Regular.ttf").write_bytes(ImageFont.load_default(size=10).font_bytes)
     cfg = processor_config_from_folder(tmp_path, "ernie4_5_vl_moe")
     assert (cfg.temporal_patch_size, cfg.patch_dim) == (1, 588)
     reference = transformers.Ernie4_5_VLMoeImageProcessorPil()
@@ -133,3 +138,62 @@ def test_minimax_released_size_setting_is_replaced_by_the_processor_default(tmp_
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": [672, 672]}))
     cfg = processor_config_from_folder(tmp_path, "minimax_m3_vl")
     assert (cfg.min_pixels, cfg.max_pixels) == (3136, 451584)
+
+
+# (frames, fps, width, height): every frame of a short clip (20, an even count), an odd count the processor
+# pads (33), and fewer than its 16-frame floor (9: all of them, padded)
+ERNIE_CLIPS = [(20, 10.0, 96, 64), (33, 8.0, 120, 200), (9, 3.0, 64, 96)]
+ERNIE_SAMPLING = [(20, 10.0), (33, 8.0), (500, 30.0), (9, 3.0), (181, 24.0), (1000, 25.0)]
+
+
+def test_ernie_videos_equal_its_processor(tmp_path):
+    """`Ernie4_5_VLMoeVideoProcessor` (torchvision only) in vLLM's environment: its `sample_frames` picks our
+    frames; on those frames (decoded by vitserve's reference decoder) with their indices and the clip's rate, it
+    draws each frame's time in the checkpoint's font, pads an odd count, resizes and patchifies: our grid and
+    pixels equal its. The font is Pillow's own (its embedded FreeType font, written to a file)."""
+    from PIL import ImageFont
+
+    from service.media.video_preprocess import preprocess_video_bytes
+    from tests.videos import decode_all, make_video
+
+    font = tmp_path / "label-font.ttf"
+    font.write_bytes(ImageFont.load_default(size=10).font_bytes)
+    video_config = {**(PRESETS["random:ernie-4.5-vl-28b-a3b"].video_preprocessor or {}), "draw_on_frames": True,
+                    "font": font.name}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(PRESETS["random:ernie-4.5-vl-28b-a3b"].preprocessor))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(video_config))
+    cfg = processor_config_from_folder(tmp_path, "ernie4_5_vl_moe")
+    assert cfg.video.timestamp_font == str(font) and cfg.temporal_patch_size == 1
+    clips = [make_video(n, fps=fps, width=w, height=h, codec="libx264", frame_fn=frame_colours)
+             for n, fps, w, h in ERNIE_CLIPS]
+    ours = [preprocess_video_bytes(data, cfg) for data in clips]
+    sampling = ERNIE_SAMPLING + [(n, fps) for n, fps, _, _ in ERNIE_CLIPS]
+    reference_config = {k: v for k, v in video_config.items() if k != "fps"}  # the class has no rate
+    reference_config["font"] = str(font)
+    picks = run_driver("torchvision_processor_driver.py", {
+        "class": "Ernie4_5_VLMoeImageProcessor", "config": {}, "images": [],
+        "video_class": "Ernie4_5_VLMoeVideoProcessor", "video_config": reference_config,
+        "sample_frames": [list(c) for c in sampling]}, tmp_path)["sampled"]
+    from service.media.video_sampling import ernie_frame_indices
+
+    for (total, video_fps), picked in zip(sampling, picks):
+        padded = picked + picked[-1:] if len(picked) % 2 else picked
+        assert ernie_frame_indices(total, video_fps).tolist() == padded, (total, video_fps)
+    videos, metadata = [], []
+    for k, (data, item) in enumerate(zip(clips, ours)):
+        picked = picks[len(ERNIE_SAMPLING) + k]
+        assert item.meta["frame_indices"][: len(picked)] == picked
+        decoded, _ = decode_all(data)
+        np.save(tmp_path / f"ernie{k}.npy", np.ascontiguousarray(decoded[picked].transpose(0, 3, 1, 2)))
+        videos.append(str(tmp_path / f"ernie{k}.npy"))
+        metadata.append({"fps": ERNIE_CLIPS[k][1], "frames_indices": picked, "total_num_frames": ERNIE_CLIPS[k][0]})
+    run_driver("torchvision_processor_driver.py", {
+        "class": "Ernie4_5_VLMoeImageProcessor", "config": {}, "images": [],
+        "video_class": "Ernie4_5_VLMoeVideoProcessor", "video_config": reference_config, "videos": videos,
+        "video_metadata": metadata}, tmp_path)
+    reference = np.load(tmp_path / "processed.npz")
+    for k, item in enumerate(ours):
+        assert item.grid_thw == tuple(int(v) for v in reference[f"video_grid_thw_{k}"][0]), ERNIE_CLIPS[k]
+        pixels = reference[f"pixel_values_videos_{k}"]
+        assert pixels.shape == item.pixels.shape
+        assert float(np.abs(cfg.normalize(item.pixels) - pixels).max()) <= 1e-5, ERNIE_CLIPS[k]

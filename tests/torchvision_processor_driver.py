@@ -4,8 +4,10 @@ output with vitserve's preprocessing.
 
 Request (JSON on stdin): {"class": transformers' class name, "config": its preprocessor config,
 "images": [file paths]}, and optionally {"video_class", "video_config", "videos": [.npy files of uint8
-[T, C, H, W] frames]} (the video processor on those frames, no sampling of its own) and {"minimax_sampling":
-[[total_frames, video_fps, fps], ...]} (the frames vLLM's MiniMax-M3 loader picks). Writes `processed.npz`
+[T, C, H, W] frames], "video_metadata": [per video: fps, frames_indices, total_num_frames, or null]} (the
+video processor on those frames, no sampling of its own), {"sample_frames": [[total_frames, video_fps], ...]}
+(the frames the video processor's own `sample_frames` picks) and {"minimax_sampling": [[total_frames,
+video_fps, fps], ...]} (the frames vLLM's MiniMax-M3 loader picks). Writes `processed.npz`
 (pixel_values_<i>, image_grid_thw_<i>, pixel_values_videos_<i>, video_grid_thw_<i>) in the working folder
 and prints one JSON line: the versions it ran with and the sampled frame indices.
 """
@@ -20,6 +22,7 @@ import torch
 import torchvision
 import transformers
 from PIL import Image
+from transformers.video_utils import VideoMetadata
 
 
 def main() -> None:
@@ -33,11 +36,17 @@ def main() -> None:
         out[f"image_grid_thw_{i}"] = batch["image_grid_thw"].numpy()
     if request.get("videos"):
         videos = getattr(transformers, request["video_class"])(**request["video_config"])
-        for i, path in enumerate(request["videos"]):
-            batch = videos([torch.from_numpy(np.load(path))], do_sample_frames=False, return_tensors="pt")
+        metadata = request.get("video_metadata") or [None] * len(request["videos"])
+        for i, (path, meta) in enumerate(zip(request["videos"], metadata)):
+            extra = {"video_metadata": [VideoMetadata(**meta)]} if meta else {}
+            batch = videos([torch.from_numpy(np.load(path))], do_sample_frames=False, return_tensors="pt", **extra)
             out[f"pixel_values_videos_{i}"] = batch["pixel_values_videos"].float().numpy()
             out[f"video_grid_thw_{i}"] = batch["video_grid_thw"].numpy()
     sampled = []
+    for total, video_fps in request.get("sample_frames") or []:
+        videos = getattr(transformers, request["video_class"])(**request["video_config"])
+        picked = videos.sample_frames(VideoMetadata(total_num_frames=total, fps=video_fps))
+        sampled.append([int(i) for i in picked])
     if request.get("minimax_sampling"):
         from vllm.models.minimax_m3.common.mm_preprocess import MiniMaxM3VideoBackend
         from vllm.multimodal.video_decoders.base import VideoSourceMetadata, VideoTargetMetadata

@@ -78,5 +78,11 @@ ERNIE4_5_VL_MOE = register(Family(
     },
     processor_defaults={"temporal_patch_size": 1, "patch_size": 14, "merge_size": 2},
     image_processor="Ernie4_5_VLMoeImageProcessor", hf_class="Ernie4_5_VLMoeForConditionalGeneration",
-    tower=ErnieTower, video=False, vllm_embedding_parts=False, extra={"reference_features": reference_features},
+    # Ernie4_5_VLMoeVideoProcessor's own settings: no frame rate (every frame, 16 to 180), frames sized alone
+    # between `size`'s bounds, each frame's time drawn on it in the font that ships with the checkpoint.
+    video_processor_defaults={"fps": 0, "min_frames": 16, "max_frames": 180, "draw_on_frames": True,
+                              "font": "Roboto-Regular.ttf",
+                              "size": {"shortest_edge": 299 * 28 * 28, "longest_edge": 1196 * 28 * 28}},
+    video_sampling="ernie", video_resize="torch", tower=ErnieTower, vllm_embedding_parts=False,
+    extra={"reference_features": reference_features},
 ))

@@ -96,6 +96,6 @@ MINIMAX_M3_VL = register(Family(
     # MiniMaxM3VLVideoProcessor's own settings: frames sized alone between these bounds (not its `size`)
     video_processor_defaults={"fps": 1.0, "min_pixels": 4 * 28 * 28, "max_pixels": 768 * 28 * 28,
                               "min_frames": 4, "max_frames": 768},
-    video_sampling="minimax", image_resize="torch", tower=MiniMaxTower, vllm_embedding_parts=False,
-    extra={"reference_features": reference_features},
+    video_sampling="minimax", image_resize="torch", video_resize="torch", tower=MiniMaxTower,
+    vllm_embedding_parts=False, extra={"reference_features": reference_features},
 ))

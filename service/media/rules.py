@@ -36,6 +36,12 @@ def image_resize(cfg: ProcessorConfig) -> str:
     return family.image_resize if family else "pil"
 
 
+def video_resize(cfg: ProcessorConfig) -> str:
+    """The same choice for video frames (`Family.video_resize`)."""
+    family = _family(cfg)
+    return family.video_resize if family else "pil"
+
+
 def takes_video(cfg: ProcessorConfig) -> bool:
     """False for a family whose vision model takes images only (Cohere Compass)."""
     family = _family(cfg)

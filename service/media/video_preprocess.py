@@ -6,7 +6,7 @@ Frame sampling and per-frame sizes follow the reference each model family ships 
 
 Frames are resized one by one with PIL bicubic on uint8, like the image path (the references
 resize torch tensors with torchvision bicubic+antialias; see docs/video.md), or with that very torch
-kernel where the family's images are (MiniMax-M3: `Family.image_resize`), and patchified into
+kernel where the family says so (`Family.video_resize`: ERNIE-4.5-VL, MiniMax-M3), and patchified into
 `pixel_values_videos` order: rows (t, h-block, w-block, merge-row, merge-col), columns
 (channel, temporal, patch-row, patch-col). An odd frame count is padded with the last frame.
 
@@ -36,9 +36,10 @@ from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
+from service.media.frame_labels import draw_label, time_label
 from service.media.image_preprocess import torch_bicubic_resize
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
-from service.media.rules import image_resize
+from service.media.rules import video_resize
 from service.media.video import VideoInfo, VideoReader
 from service.media.video_sampling import SamplingPlan, VideoOptions, plan_sampling
 
@@ -62,8 +63,10 @@ class _PatchWriter:
         size: Callable[[int, int], tuple[int, int]],
         workers: int,
         max_tokens: int | None = None,
+        labels: dict[int, str] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.labels = labels or {}  # text drawn on the frame at a position before resizing (frame_labels)
         self.max_tokens = max_tokens
         self.slots_of = slots_of
         self.num_slots = num_slots
@@ -105,7 +108,9 @@ class _PatchWriter:
         p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
         image = Image.fromarray(rgb)
-        if image.size != (w, h) and image_resize(self.cfg) == "torch":
+        if position in self.labels:
+            image = draw_label(image, self.labels[position], self.cfg.video.timestamp_font)
+        if image.size != (w, h) and video_resize(self.cfg) == "torch":
             image = torch_bicubic_resize(image, w, h)
         elif image.size != (w, h):
             image = image.resize((w, h), Image.Resampling.BICUBIC)
@@ -277,8 +282,12 @@ def preprocess_video_bytes(
         for slot, position in enumerate(slots.tolist()):
             slots_of.setdefault(position, []).append(slot)
         n_workers = workers if workers is not None else min(4, os.cpu_count() or 1)
+        labels = None
+        if cfg.video.timestamp_font:  # each frame's time, from its index and the video's rate
+            labels = {int(p): time_label(int(i) / plan.info.fps) for p, i in zip(plan.positions, plan.sampling.indices)}
         writer = _PatchWriter(
-            cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens
+            cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens,
+            labels=labels,
         )
         try:
             reader.read(plan.positions, writer)
