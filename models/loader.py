@@ -136,6 +136,10 @@ def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
         processor = processor_config_from_folder(folder, family)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{folder}: a preprocessor config cannot be read: {_one_line(exc)}") from None
+    font = processor.video.timestamp_font
+    if font and not Path(font).is_file():  # as transformers, which cannot load such a video processor
+        raise CheckpointError(f"{folder}: the video processor draws timestamps with the font {Path(font).name!r}, "
+                              "which is not in the folder")
     return family, vision_config, processor
 
 
@@ -282,11 +286,7 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
         if spec.video_processor_defaults:
             video = {**spec.video_processor_defaults, **(video or {})}
     if video and video.get("draw_on_frames"):  # the font ships beside the configs (ERNIE-4.5-VL)
-        font = folder / str(video.get("font") or "")
-        if not video.get("font") or not font.is_file():
-            raise FileNotFoundError(f"the video processor draws timestamps with the font {video.get('font')!r}, "
-                                    f"which is not in {folder}")
-        video = {**video, "font": str(font)}
+        video = {**video, "font": str(folder / str(video.get("font") or ""))}
     # transformers' video processors (Qwen3-VL's, GLM's) read preprocessor_config.json when theirs is missing;
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":

@@ -276,3 +276,38 @@ def test_vitserve_encode_serves_both_checkpoints(checkpoint, tmp_path):
         for k, want in enumerate(expected):
             got = f.get_tensor(f"embeds.{k}")
             assert got.shape == want.shape and rel_err(got, want) <= TOL
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_the_server_counts_each_item_s_rows(name):
+    """A real server on loopback (`/encode`, float output): an image and a video batched together, each item's
+    `num_tokens` and embedding rows as the family's geometry counts them (ERNIE's video: half its blocks), the
+    bytes equal to the item's eager forward alone."""
+    import base64
+
+    from graphs.runner import GraphRunner, plan_for
+    from models.config import VisualInput
+    from service.media.image_preprocess import preprocess_image_bytes
+    from service.media.video_preprocess import preprocess_video_bytes
+    from tests.http_helpers import ServerThread, image_bytes, settings
+    from tests.videos import make_video
+
+    media = [("image", image_bytes(150, 100, seed=3)), ("video", make_video(20, fps=10, width=96, height=64))]
+    body = {"items": [{"type": kind, kind: base64.b64encode(data).decode()} for kind, data in media]}
+    with ServerThread(settings(model=name)) as srv, srv.client() as client:
+        response = client.post("/encode", json=body)
+    assert response.status_code == 200, response.text
+    tower = load_tower(name, device="cpu", dtype="float32")
+    runner = GraphRunner(tower, torch.device("cpu"), plan_for(tower), use_graphs=False)
+    items: list[VisualInput] = [preprocess_image_bytes(media[0][1], tower.processor),
+                                preprocess_video_bytes(media[1][1], tower.processor)]
+    for entry, item in zip(response.json()["data"], items):
+        rows = tower.geometry.tokens(item.grid_thw, item.modality)
+        assert entry["grid_thw"] == list(item.grid_thw) and entry["num_tokens"] == rows
+        got = torch.tensor(entry["embedding"], dtype=torch.float32)
+        assert got.shape == (rows, tower.out_hidden_size)
+        alone = runner.encode([item])[0].embeds
+        assert rel_err(got, alone) <= 1e-6
+    if name.startswith("tiny-ernie"):
+        t, h, w = items[1].grid_thw
+        assert t % 2 == 0 and response.json()["data"][1]["num_tokens"] == t // 2 * h * w // 4

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from models.loader import processor_config_from_folder
-from models.presets import PRESETS
+from models.loader import CheckpointError, check_model, processor_config_from_folder
+from models.presets import PRESETS, full_config
 from service.media.image_preprocess import preprocess_image_bytes, torch_bicubic_resize
 from tests.test_vllm_handoff import run_driver
 
@@ -119,9 +119,14 @@ def test_ernie_rows_are_one_frame_and_defaults_fill_a_bare_config(tmp_path):
 
     bare = {"image_processor_type": "Ernie4_5_VLMoeImageProcessor"}
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(bare))
-    with pytest.raises(FileNotFoundError, match="Roboto-Regular.ttf"):  # its video processor's font, by default
-        processor_config_from_folder(tmp_path, "ernie4_5_vl_moe")
+    assert processor_config_from_folder(tmp_path, "ernie4_5_vl_moe").video.timestamp_font.endswith(
+        "/Roboto-Regular.ttf")  # its video processor's font, by default: a checkpoint without it is refused
+    (tmp_path / "config.json").write_text(full_config(PRESETS["tiny-ernie4.5-vl-moe"]).to_json_string())
+    with pytest.raises(CheckpointError, match="Roboto-Regular.ttf"):
+        check_model(str(tmp_path))
     (tmp_path / "Roboto-Regular.ttf").write_bytes(ImageFont.load_default(size=10).font_bytes)
+    with pytest.raises(CheckpointError, match="safetensors"):  # past the font: no weights in this folder
+        check_model(str(tmp_path))
     cfg = processor_config_from_folder(tmp_path, "ernie4_5_vl_moe")
     assert (cfg.temporal_patch_size, cfg.patch_dim) == (1, 588)
     reference = transformers.Ernie4_5_VLMoeImageProcessorPil()
