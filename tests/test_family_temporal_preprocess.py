@@ -1,12 +1,14 @@
-"""ERNIE-4.5-VL's and MiniMax-M3's image preprocessing against their own processor classes.
+"""ERNIE-4.5-VL's and MiniMax-M3's preprocessing against their own processor classes.
 
-ERNIE: `Ernie4_5_VLMoeImageProcessorPil` runs here (tests/test_family_preprocess.py covers it with the other
-Qwen-sized families; here its one-frame patch rows and its defaults where a config leaves them out).
-MiniMax: `MiniMaxM3VLImageProcessor` exists only with torchvision, which vitserve's environment lacks; it runs
-in vLLM's environment (torch 2.14.1 and torchvision 0.29.1 on the CPU, transformers 5.20.2, whose MiniMax
-image processor file is transformers 5.24's byte for byte), through tests/torchvision_processor_driver.py,
-on the same PNG files: grids equal, pixels equal to float32 rounding. vitserve's side reproduces torchvision's
-uint8 bicubic (torch's own antialiased kernel) without importing torchvision.
+ERNIE images: `Ernie4_5_VLMoeImageProcessorPil` runs here (tests/test_family_preprocess.py covers it with the
+other Qwen-sized families; here its one-frame patch rows and its defaults where a config leaves them out).
+The processors that exist only with torchvision, which vitserve's environment lacks (MiniMax's image and video
+processors, ERNIE's video processor), run in vLLM's environment (torch 2.14.1 and torchvision 0.29.1 on the
+CPU, transformers 5.20.2, whose files for these classes differ from 5.24's only in imports and in MiniMax's
+video grid being cut into attention segments, which the tower does here) through
+tests/torchvision_processor_driver.py, on the same PNG files and decoded frames: their own frame picks (and
+vLLM's MiniMax loader's), grids equal, pixels equal to float32 rounding. vitserve's side reproduces
+torchvision's uint8 bicubic (torch's own antialiased kernel) without importing torchvision.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def test_ernie_videos_equal_its_processor(tmp_path):
     from PIL import ImageFont
 
     from service.media.video_preprocess import preprocess_video_bytes
+    from service.media.video_sampling import ernie_frame_indices
     from tests.videos import decode_all, make_video
 
     font = tmp_path / "label-font.ttf"
@@ -175,27 +178,23 @@ def test_ernie_videos_equal_its_processor(tmp_path):
     sampling = ERNIE_SAMPLING + [(n, fps) for n, fps, _, _ in ERNIE_CLIPS]
     reference_config = {k: v for k, v in video_config.items() if k != "fps"}  # the class has no rate
     reference_config["font"] = str(font)
-    picks = run_driver("torchvision_processor_driver.py", {
-        "class": "Ernie4_5_VLMoeImageProcessor", "config": {}, "images": [],
-        "video_class": "Ernie4_5_VLMoeVideoProcessor", "video_config": reference_config,
-        "sample_frames": [list(c) for c in sampling]}, tmp_path)["sampled"]
-    from service.media.video_sampling import ernie_frame_indices
-
-    for (total, video_fps), picked in zip(sampling, picks):
-        padded = picked + picked[-1:] if len(picked) % 2 else picked
-        assert ernie_frame_indices(total, video_fps).tolist() == padded, (total, video_fps)
     videos, metadata = [], []
     for k, (data, item) in enumerate(zip(clips, ours)):
-        picked = picks[len(ERNIE_SAMPLING) + k]
-        assert item.meta["frame_indices"][: len(picked)] == picked
+        picked = item.meta["frame_indices"]
+        picked = picked[:-1] if len(picked) > 1 and picked[-1] == picked[-2] else picked  # the processor pads
         decoded, _ = decode_all(data)
         np.save(tmp_path / f"ernie{k}.npy", np.ascontiguousarray(decoded[picked].transpose(0, 3, 1, 2)))
         videos.append(str(tmp_path / f"ernie{k}.npy"))
         metadata.append({"fps": ERNIE_CLIPS[k][1], "frames_indices": picked, "total_num_frames": ERNIE_CLIPS[k][0]})
-    run_driver("torchvision_processor_driver.py", {
+    picks = run_driver("torchvision_processor_driver.py", {
         "class": "Ernie4_5_VLMoeImageProcessor", "config": {}, "images": [],
         "video_class": "Ernie4_5_VLMoeVideoProcessor", "video_config": reference_config, "videos": videos,
-        "video_metadata": metadata}, tmp_path)
+        "video_metadata": metadata, "sample_frames": [list(c) for c in sampling]}, tmp_path)["sampled"]
+    for (total, video_fps), picked in zip(sampling, picks):
+        padded = picked + picked[-1:] if len(picked) % 2 else picked
+        assert ernie_frame_indices(total, video_fps).tolist() == padded, (total, video_fps)
+    for k, meta in enumerate(metadata):  # our picks for the clips are the processor's own
+        assert meta["frames_indices"] == picks[len(ERNIE_SAMPLING) + k]
     reference = np.load(tmp_path / "processed.npz")
     for k, item in enumerate(ours):
         assert item.grid_thw == tuple(int(v) for v in reference[f"video_grid_thw_{k}"][0]), ERNIE_CLIPS[k]
