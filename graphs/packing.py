@@ -75,6 +75,8 @@ def eager_reason(item: PackItem, plan: BudgetPlan) -> str | None:
         return "t_capture"
     if plan.length_class(item.segment_patches) not in plan.length_classes(plan.max_budget):
         return "segment_too_long"
+    if item.segments > plan.max_segments(item.modality):  # a clip cut into more attention segments than a slot
+        return "too_many_segments"
     return None
 
 

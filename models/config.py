@@ -31,6 +31,8 @@ class VideoConfig:
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)  # qwen-vl-utils 0.0.14 default (VIDEO_TOTAL_PIXELS)
     processor_class: str = ""  # the checkpoint's `video_processor_type`, where it names one
+    # A font file to draw each frame's time on it before resizing (ERNIE-4.5-VL's `draw_on_frames`); "": none.
+    timestamp_font: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,11 @@ class ProcessorConfig:
         rows: dict[str, Any] = {}
         if spec is not None:
             rows = {"patch_layout": spec.patch_layout, "patch_order": spec.patch_order}
-            image = {**spec.processor_defaults, **image}
-            video = None if video is None else {**spec.processor_defaults, **video}
+            defaults = spec.processor_defaults
+            image = {**defaults.get("image", {}), **image}
+            if not isinstance(image.get("size") or {}, dict):  # MiniMax-M3's release: [672, 672], which its
+                image["size"] = defaults.get("image", {}).get("size", {})  # processor replaces by its default
+            video = None if video is None else {**defaults.get("video", {}), **video}
         size = image.get("size") or {}
         min_pixels = image.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels
         max_pixels = image.get("max_pixels") or size.get("longest_edge") or cls.max_pixels
@@ -109,6 +114,7 @@ class ProcessorConfig:
                 max_pixels=int(video.get("max_pixels") or vsize.get("longest_edge") or video_cfg.max_pixels),
                 total_pixels=int(video.get("total_pixels", video_cfg.total_pixels)),
                 processor_class=str(video.get("video_processor_type") or ""),
+                timestamp_font=str(video.get("font") or "") if video.get("draw_on_frames") else "",
             )
         return cls(
             family=family,

@@ -5,6 +5,10 @@ A row holds one patch's values in its processor's order (models/config.py `patch
 and a checkpoint's weight reads its inputs in an order of its own: a Conv2d's is (channel, row, col), a
 Linear's that of the processor it was trained with. Where the two differ, the weight's columns are permuted
 once after loading, never the pixels.
+
+`LinearPatchEmbed`: a Linear layer over each flattened patch row, as the checkpoint stores it (`proj`,
+[hidden, patch_dim]); the row's layout is the processor's (ERNIE-4.5-VL: channel, then the patch's rows
+and columns of one frame).
 """
 
 from __future__ import annotations
@@ -79,3 +83,13 @@ class LinearPatches(_RowProduct, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
+
+
+class LinearPatchEmbed(nn.Module):
+    def __init__(self, patch_dim: int, embed_dim: int, bias: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w, self.proj.bias)

@@ -72,6 +72,29 @@ COSMOS3_EDGE_VIDEO_PRE = {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 64 * 64,
                           "fps": 2, "min_frames": 4, "max_frames": 768}
 
 
+# ERNIE-4.5-VL: Ernie4_5_VLMoeImageProcessorPil's defaults (one frame per patch row).
+ERNIE_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 1,
+             "size": {"shortest_edge": 3136, "longest_edge": 28 * 28 * 6177}}
+# Ernie4_5_VLMoeVideoProcessor's defaults but for the timestamps it draws (presets ship no font).
+ERNIE_VIDEO_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "fps": 0, "min_frames": 16,
+                   "max_frames": 180, "draw_on_frames": False,
+                   "size": {"shortest_edge": 299 * 28 * 28, "longest_edge": 1196 * 28 * 28}}
+# `out_hidden_size` of the ERNIE and MiniMax presets is the text width (their projectors' output), and
+# MiniMax's `projector_hidden_size` the projector's: both live outside the vision config (see full_config).
+ERNIE_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=5120, num_heads=16, patch_size=14,
+                       hidden_act="quick_gelu", out_hidden_size=2560)
+# MiniMax-M3: MiniMaxM3VLImageProcessor's defaults.
+MINIMAX_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+               "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 451584}}
+MINIMAX_VIDEO_PRE = {**MINIMAX_PRE, "fps": 1.0, "min_pixels": 4 * 28 * 28, "max_pixels": 768 * 28 * 28,
+                     "min_frames": 4, "max_frames": 768}
+MINIMAX_M3_VISION = dict(num_hidden_layers=32, hidden_size=1280, intermediate_size=5120, num_attention_heads=16,
+                         patch_size=14, temporal_patch_size=2, hidden_act="gelu", out_hidden_size=6144,
+                         projector_hidden_size=6144)
+# The settings above that are not the vision config's.
+OUTSIDE_VISION = ("out_hidden_size", "projector_hidden_size")
+
+
 @dataclass(frozen=True)
 class Preset:
     family: str  # transformers model_type of the full model
@@ -244,6 +267,23 @@ PRESETS: dict[str, Preset] = {
         {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 4096, "longest_edge": 524288}},
         {**COSMOS3_EDGE_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 2097152}},
     ),
+    # ERNIE-4.5-VL-28B-A3B's vision config (the transformers defaults), its text width as the output width.
+    "random:ernie-4.5-vl-28b-a3b": Preset("ernie4_5_vl_moe", ERNIE_VL_VISION, ERNIE_PRE, ERNIE_VIDEO_PRE),
+    "tiny-ernie4.5-vl-moe": Preset(
+        "ernie4_5_vl_moe",
+        dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=80),
+        {**ERNIE_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+        {**ERNIE_VIDEO_PRE, "size": {"shortest_edge": 3136, "longest_edge": 200704}},
+    ),
+    # MiniMax-M3's vision config (the transformers defaults), its projector and text widths.
+    "random:minimax-m3": Preset("minimax_m3_vl", MINIMAX_M3_VISION, MINIMAX_PRE, MINIMAX_VIDEO_PRE),
+    "tiny-minimax-m3": Preset(
+        "minimax_m3_vl",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+             out_hidden_size=80, projector_hidden_size=48),
+        {**MINIMAX_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+        {**MINIMAX_VIDEO_PRE, "max_pixels": 200704},
+    ),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -288,6 +328,8 @@ def full_config(preset: Preset):
             text.update(head_dim=16, rope_parameters={**rope, "mrope_section": [4, 2, 2]})
         return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text, bos_token_id=None,
                                     eos_token_id=None, **top)
+    if family in ("ernie4_5_vl_moe", "minimax_m3_vl"):
+        return _projected_config(preset, text)
     if family in ("qwen2_5_omni", "qwen3_omni_moe"):
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
                      output_dim=64, n_window=4, max_source_positions=64)
@@ -352,3 +394,25 @@ BENCH_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8
 BENCH_FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b",
                        "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]
 BENCH_FAMILY_MODELS += ["random:paddleocr-vl", "random:cosmos3-edge"]
+
+
+def _projected_config(preset: Preset, text: dict[str, Any]):
+    """ERNIE-4.5-VL's and MiniMax-M3's whole config: their tower's output width is the text model's width, so
+    the tiny text part takes the preset's `out_hidden_size` (and MiniMax's projector its hidden size)."""
+    from transformers import AutoConfig
+
+    vision = {k: v for k, v in preset.vision.items() if k not in OUTSIDE_VISION}
+    width = preset.vision["out_hidden_size"]
+    text = {**text, "hidden_size": width}
+    half = width // text["num_attention_heads"] // 2  # rotary frequencies per head
+    if preset.family == "ernie4_5_vl_moe":
+        t = half // 4
+        text.update(moe_num_experts=2, moe_k=1, moe_intermediate_size=[32, 32], moe_num_shared_experts=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": [(half - t) // 2, half - t - (half - t) // 2, t]})
+        return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text)
+    text.update(num_local_experts=2, num_experts_per_tok=1, head_dim=16, rotary_dim=8, dense_intermediate_size=64,
+                shared_intermediate_size=32, index_head_dim=16)
+    text.pop("rope_parameters", None)
+    return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text,
+                                projector_hidden_size=preset.vision["projector_hidden_size"])

@@ -24,6 +24,7 @@ FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "ran
         "random:exaone-4.5-33b"]
 FULL += ["random:lfm3-vl-2b", "random:dots3-note"]  # conv blocks beside attention; experts in the tower
 FULL += ["random:paddleocr-vl", "random:cosmos3-edge"]
+FULL += ["random:ernie-4.5-vl-28b-a3b", "random:minimax-m3"]
 DEV = torch.device("cuda")
 
 

@@ -200,10 +200,11 @@ def test_folder_errors(tmp_path):
         build_tower("llava", None, None, "sdpa")
 
 
-# Towers that carry their model's projector (config_path ()) are counted in their own files
-# (tests/test_family_kimi.py).
+# Towers that carry their model's projector (config_path (), or a projector beside transformers' vision model) are
+# counted in their own files (tests/test_family_kimi.py, tests/test_family_temporal.py).
 @pytest.mark.parametrize("preset", [name for name in PRESETS if name.startswith("random:")
-                                    and SPECS[PRESETS[name].family].config_path != ()])
+                                    and SPECS[PRESETS[name].family].config_path != ()
+                                    and "reference_features" not in SPECS[PRESETS[name].family].extra])
 def test_full_size_parameter_counts_match_transformers(preset):
     import transformers
 

@@ -35,7 +35,7 @@ PADDLEOCR_VL = register(Family(
               ("model.visual.vision_model.", "visual."), ("model.projector.", "projector."),
               ("visual.vision_model.", "visual."), ("mlp_AR.", "projector.")),
     image_sizing="paddleocr_vl", video=False, image_processor="PaddleOCRVLImageProcessor",
-    patch_order="raster", processor_defaults={"patch_size": 14, "temporal_patch_size": 1, "merge_size": 2},
+    patch_order="raster", processor_defaults={"image": {"patch_size": 14, "temporal_patch_size": 1, "merge_size": 2}},
     # vLLM 0.33's PaddleOCR-VL takes pixels only: its hand-off part keeps the media and names the cached output.
     vllm_embedding_parts=False,
     hf_class="PaddleOCRVLForConditionalGeneration", tower=SiglipTower,

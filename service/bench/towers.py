@@ -99,6 +99,8 @@ def hf_grid_thw(tower, grids) -> list[tuple[int, int, int]]:
     """The grids as transformers' vision model of the family takes them (see `reference_frames_as_grids`)."""
     if tower.spec.extra.get("reference_frames_as_grids"):
         return [(1, h, w) for t, h, w in grids for _ in range(t)]
+    if hasattr(tower.geometry, "frames"):  # clips cut into attention segments (models.geometries)
+        return [(n, h, w) for t, h, w in grids for n in tower.geometry.frames((t, h, w))]
     return list(grids)
 
 
@@ -177,6 +179,8 @@ def hf_visual(tower):
     """transformers' vision model of the tower's preset, carrying the tower's weights."""
     import transformers
 
+    if "reference_features" in tower.spec.extra:  # a projector beside the vision model: the whole model's features
+        return hf_projected(tower)
     preset = PRESETS[tower.name]
     cfg = full_config(preset)
     tower.spec.vision_config(cfg)._attn_implementation = "sdpa"
@@ -236,6 +240,41 @@ class ReferenceFeatures(torch.nn.Module):
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self._features(self._whole[0], pixels, grid_thw)
+class ProjectedReference(torch.nn.Module):
+    """transformers' whole model of a family whose tower feeds a projector outside its vision model, called as
+    a vision model is: packed pixels and grids in, the family's features out (`Family.extra["reference_features"]`:
+    the tower and the projector, without the per-item split)."""
+
+    def __init__(self, model: torch.nn.Module, features: Callable) -> None:
+        super().__init__()
+        self.model, self.features = model, features
+
+    def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.features(self.model, pixels, grid_thw)
+
+
+def hf_projected(tower) -> ProjectedReference:
+    """transformers' whole model of the tower's preset (a tiny text part), loaded by `from_pretrained` from the
+    tower's weights written under the checkpoints' names (the family's projector lives outside the vision model
+    and its names differ from transformers' own, which from_pretrained maps)."""
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from models.loader import checkpoint_name
+
+    dtype = next(tower.parameters()).dtype
+    cfg = full_config(PRESETS[tower.name])
+    with tempfile.TemporaryDirectory() as folder:
+        cfg.save_pretrained(folder)
+        spec = tower.spec
+        state = {checkpoint_name(k, spec.prefixes, spec.renames): v.detach().cpu().contiguous()
+                 for k, v in tower.state_dict().items()}
+        save_file(state, f"{folder}/model.safetensors", metadata={"format": "pt"})
+        model = getattr(transformers, tower.spec.hf_class).from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa")
+    return ProjectedReference(model.to(tower.device), tower.spec.extra["reference_features"]).eval()
 
 
 def vision_module(model) -> torch.nn.Module:

@@ -8,6 +8,8 @@ paths branch on those names alone, so a family that preprocesses like another on
 * image sizing "qwen2": `Qwen2VLImageProcessor`'s smart_resize (bounds on H*W);
   "glm4v": `Glm4vImageProcessor`'s (an image is a clip of temporal_patch_size frames: bounds on T*H*W,
   tiny images scaled up first).
+* image resize "pil": PIL bicubic on the uint8 image (the *ImageProcessorPil classes); "torch": torchvision's
+  bicubic with antialias on a uint8 tensor (MiniMaxM3VLImageProcessor, which exists only with torchvision).
 * video sampling "qwen2": qwen-vl-utils `fetch_video`; "qwen3": `Qwen3VLVideoProcessor`; "glm4v":
   `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded).
 """
@@ -32,6 +34,18 @@ def family_extra(cfg: ProcessorConfig) -> dict:
     """What the family's own rules read beyond the common fields (`Family.extra`)."""
     family = _family(cfg)
     return family.extra if family else {}
+
+
+def image_resize(cfg: ProcessorConfig) -> str:
+    """"pil" (PIL bicubic on uint8) or "torch" (torchvision's bicubic with antialias on uint8 tensors)."""
+    family = _family(cfg)
+    return family.image_resize if family else "pil"
+
+
+def video_resize(cfg: ProcessorConfig) -> str:
+    """The same choice for video frames (`Family.video_resize`)."""
+    family = _family(cfg)
+    return family.video_resize if family else "pil"
 
 
 def takes_video(cfg: ProcessorConfig) -> bool:

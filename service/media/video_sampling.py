@@ -11,6 +11,10 @@ The rules follow the reference each model family ships with:
   up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
 * GLM-4.6V: `Glm46VVideoProcessor` (a frame rate chosen by the clip's length, at most 640 frames).
 * Kimi-K2.x, Muse: `Kimi_K25VideoProcessor`, `MuseGlimmerVideoProcessor` (service/media/navit_sizing.py).
+* ERNIE-4.5-VL: `Ernie4_5_VLMoeVideoProcessor` (frames spread over the clip, 16 to 180, each sized alone; the
+  frame's time drawn on it before resizing: service.media.frame_labels).
+* MiniMax-M3: `MiniMaxM3VLVideoProcessor` takes the frames it is given; they are vLLM's for the model (one a
+  second), each sized by `smart_resize` between the video processor's min_pixels and max_pixels.
 
 `service.media.rules` says which of these a family follows.
 
@@ -292,6 +296,51 @@ def glm46v_frame_indices(total_frames: int, video_fps: float, temporal_patch_siz
     return np.asarray(unique, dtype=np.int64)
 
 
+# -- MiniMax-M3: frames a second apart ----------------------------------------------------------------
+
+
+def minimax_frame_indices(total_frames: int, video_fps: float, fps: float = 1.0) -> np.ndarray:
+    """MiniMax-M3's frames: MiniMaxM3VLVideoProcessor takes the frames it is given (`do_sample_frames` is off),
+    and vLLM's loader for the model (`MiniMaxM3VideoBackend`, vLLM 0.33) gives it one every 1/fps seconds of
+    presentation time: frame 0, then the first frame at least 1/fps - 1e-4 s after the last one kept."""
+    if total_frames <= 0 or video_fps <= 0 or fps <= 0:
+        return np.zeros(1 if total_frames > 0 else 0, dtype=np.int64)
+    picked: list[int] = []
+    kept = -math.inf
+    while True:
+        frame = 0 if not picked else max(math.ceil((kept + 1.0 / fps - 1e-4) * video_fps), picked[-1] + 1)
+        if frame >= total_frames:
+            break
+        picked.append(frame)
+        kept = frame / video_fps
+    return np.asarray(picked or [0], dtype=np.int64)
+
+
+# -- ERNIE-4.5-VL: frames spread over the clip --------------------------------------------------------
+
+
+def ernie_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = None,
+                        num_frames: int | None = None, min_frames: int = 16, max_frames: int = 180) -> np.ndarray:
+    """`Ernie4_5_VLMoeVideoProcessor.sample_frames`: `num_frames` (within [min_frames, max_frames]), or the
+    clip's frames at `fps` (every frame without one) clamped to [min_frames, max_frames] and the frame count,
+    spread as `torch.arange(0, total, total / n).int()` (torch itself: its float32 steps decide the picks);
+    then an odd count gets its last frame again (the processor repeats the last frame)."""
+    import torch
+
+    if num_frames is not None:
+        if not min_frames <= num_frames <= max_frames:
+            raise MediaError(reason=f"nframes must be within [{min_frames}, {max_frames}] for this model; "
+                             f"got {num_frames}", code=INVALID_OPTION)
+        n: float = num_frames
+    else:
+        n = total_frames / video_fps * fps if fps else total_frames
+        n = min(max(n, min_frames), max_frames, total_frames)
+    if n > total_frames:
+        raise MediaError(reason=f"{n} frames asked of a clip of {total_frames}", code=INVALID_OPTION)
+    indices = torch.arange(0, total_frames, total_frames / n).int().numpy().astype(np.int64)
+    return np.concatenate([indices, indices[-1:]]) if len(indices) % 2 else indices
+
+
 # -- planning -------------------------------------------------------------------------------------
 
 
@@ -457,6 +506,36 @@ def plan_sampling(
 
         def content(height: int, width: int) -> tuple[int, int]:
             return navit_image_size(height, width, cfg, hi_px, video_rules)[0]
+
+    elif rules == "minimax":
+        # Frames a second apart (at the config's fps); a request's nframes, or more frames than max_frames,
+        # spread evenly over the clip instead. Each frame is sized alone, as the image rule does.
+        cap = vcfg.max_frames if max_frames is None else max_frames
+        indices = minimax_frame_indices(count, video_fps, want_fps)
+        if nframes is not None or len(indices) > cap:
+            adjusted = None if nframes is not None else "max_frames"
+            indices = np.linspace(0, count - 1, nframes or cap).round().astype(np.int64)
+        elif len(indices) < max(math.floor(count / video_fps * want_fps), 1):
+            adjusted = "frame_count"  # fps above the video's
+        indices = first + indices
+        n = len(indices)
+        hi_frame = vcfg.max_pixels if max_pixels is None else max_pixels
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return smart_resize(height, width, factor, lo_px, hi_frame)
+
+    elif rules == "ernie":
+        # No rate in the config (0): every frame, within [min_frames, max_frames]; a request's fps sets one.
+        rate = want_fps if want_fps and nframes is None else None
+        indices = first + ernie_frame_indices(
+            count, video_fps, fps=rate, num_frames=nframes,
+            min_frames=vcfg.min_frames if min_frames is None else min_frames,
+            max_frames=vcfg.max_frames if max_frames is None else max_frames)
+        n = len(indices)
+        hi_frame = vcfg.max_pixels if max_pixels is None else max_pixels
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return smart_resize(height, width, factor, lo_px, hi_frame)
 
     else:
         raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
