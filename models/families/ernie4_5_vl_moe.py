@@ -22,7 +22,7 @@ from models.config import ProcessorConfig
 from models.family import Family, register, standard_dims
 from models.geometries import TemporalPairGeometry
 from models.layers import make_norm
-from models.patches import LinearPatchEmbed
+from models.patches import LinearPatches, PatchProjection
 from models.protocol import Capacity, Geometry, Grid, TowerOutput
 from models.resamplers import TemporalPairResampler, temporal_pair_metadata
 from models.tower import QwenTower
@@ -35,7 +35,10 @@ class ErnieTower(QwenTower):
         super().__init__(family, vision_config, processor, backend)
         cfg, dims = vision_config, self.dims
         del self.merger  # the resampler takes its place
-        self.patch_embed = LinearPatchEmbed(processor.patch_dim, dims.hidden)
+        p = processor
+        linear = LinearPatches(p.in_channels, p.temporal_patch_size, p.patch_size, dims.hidden, "chw", p.patch_layout,
+                               bias=False)
+        self.patch_embed = PatchProjection(linear)
         self.ln = make_norm(family.norm, dims.hidden, cfg.rms_norm_eps)
         self.resampler_model = TemporalPairResampler(dims.hidden, self.merge_unit, dims.out, cfg.rms_norm_eps,
                                                      cfg.text_rms_norm_eps)

@@ -25,9 +25,10 @@ from torch import nn
 
 from models.config import ProcessorConfig
 from models.family import Dims, Family, register
-from models.kimi_block import KIMI_NORM_EPS, Conv2dPatchEmbed, PairwiseRotaryBlock
+from models.kimi_block import KIMI_NORM_EPS, PairwiseRotaryBlock
 from models.layers import Attention, Normalize
 from models.metadata import base_capacity, padded_cumsum, segment_lengths
+from models.patches import Conv2dPatches, PatchProjection
 from models.positions import resample_float32, tap_metadata
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
 from models.raster import InterleavedRotary2D, raster_rotary_positions, raster_taps
@@ -114,7 +115,7 @@ class KimiTower(nn.Module):
         self.patch_embed.pos_emb = nn.Module()
         self.patch_embed.pos_emb.weight = nn.Parameter(torch.empty(self.side, self.side, dims.hidden))
         self.encoder = nn.Module()
-        self.encoder.patch_embed = Conv2dPatchEmbed(3, cfg.patch_size, dims.hidden)
+        self.encoder.patch_embed = PatchProjection(Conv2dPatches(3, dims.hidden, cfg.patch_size))
         self.encoder.blocks = nn.ModuleList(PairwiseRotaryBlock(dims.hidden, dims.heads, dims.mlp, cfg.hidden_act,
                                                                 backend) for _ in range(dims.depth))
         self.encoder.final_layernorm = nn.LayerNorm(dims.hidden, eps=KIMI_NORM_EPS)
