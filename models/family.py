@@ -119,19 +119,8 @@ class Family:
         for name in self.config_path:
             config = getattr(config, name)
         if self.vision_extras:
-            config = VisionConfigView(config, {name: read(whole) for name, read in self.vision_extras.items()})
+            config = ConfigView(config, **{name: read(whole) for name, read in self.vision_extras.items()})
         return config
-
-
-class VisionConfigView:
-    """A vision config with a few attributes added (`Family.vision_extras`); the rest read through."""
-
-    def __init__(self, config: Any, extras: dict[str, Any]) -> None:
-        self._config, self._extras = config, extras
-
-    def __getattr__(self, name: str) -> Any:
-        extras = self.__dict__.get("_extras", {})
-        return extras[name] if name in extras else getattr(self.__dict__["_config"], name)
 
 
 FAMILIES: dict[str, Family] = {}
