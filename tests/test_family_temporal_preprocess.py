@@ -22,7 +22,8 @@ from PIL import Image
 
 from models.loader import CheckpointError, check_model, processor_config_from_folder
 from models.presets import PRESETS, full_config
-from service.media.image_preprocess import preprocess_image_bytes, torch_bicubic_resize
+from service.media.image_preprocess import preprocess_image_bytes
+from service.media.navit_sizing import resize_bicubic_antialias
 from tests.test_vllm_handoff import run_driver
 
 SIZES = [(97, 143), (300, 500), (37, 810), (64, 64), (1000, 700), (41, 30)]  # (width, height)
@@ -108,7 +109,7 @@ def test_minimax_images_and_videos_equal_its_torchvision_processors(tmp_path):
 def test_torch_bicubic_differs_from_pil():
     """The two resizes are not interchangeable: a family's choice matters (MiniMax's is torchvision's)."""
     image = Image.open(io.BytesIO(image_bytes(300, 500, 1)))
-    ours = np.asarray(torch_bicubic_resize(image, 224, 392)).astype(int)
+    ours = resize_bicubic_antialias(np.asarray(image), 392, 224).astype(int)
     pil = np.asarray(image.resize((224, 392), Image.Resampling.BICUBIC)).astype(int)
     assert ours.shape == pil.shape and np.abs(ours - pil).max() >= 1
 

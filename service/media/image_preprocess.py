@@ -35,7 +35,7 @@ from service.media.errors import (
 )
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
-from service.media.navit_sizing import kimi_size, muse_size, resize_image
+from service.media.navit_sizing import kimi_size, muse_size, resize_bicubic_antialias, resize_image
 from service.media.patch_layout import image_rows, is_qwen_layout
 from service.media.rules import family_extra, image_resize, image_sizing
 
@@ -172,18 +172,6 @@ def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patc
     return out.reshape(grid_h * grid_w, 3 * t * p * p)
 
 
-def torch_bicubic_resize(image: Image.Image, width: int, height: int) -> Image.Image:
-    """torchvision's `resize(uint8 tensor, BICUBIC, antialias=True)` on the CPU, which is torch's own uint8
-    bicubic antialiased interpolation (align_corners=False), without torchvision. torch is imported here
-    only: the families that resize this way are few."""
-    import torch
-    import torch.nn.functional as F
-
-    planes = torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)[None]
-    out = F.interpolate(planes, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
-    return Image.fromarray(np.ascontiguousarray(out[0].permute(1, 2, 0).numpy()), "RGB")
-
-
 def image_grid(
     height: int, width: int, cfg: ProcessorConfig, min_pixels: int | None = None, max_pixels: int | None = None
 ) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -271,7 +259,7 @@ def preprocess_image(
     if image_sizing(cfg) in ("kimi", "muse"):
         image = resize_image(image, image_sizing(cfg), (new_h, new_w), padded)
     elif (new_w, new_h) != (width, height) and image_resize(cfg) == "torch":
-        image = torch_bicubic_resize(image, new_w, new_h)
+        image = Image.fromarray(resize_bicubic_antialias(np.asarray(image), new_h, new_w))
     elif (new_w, new_h) != (width, height):
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.

@@ -38,9 +38,8 @@ from PIL import Image
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
 from service.media.frame_labels import draw_label, time_label
-from service.media.image_preprocess import torch_bicubic_resize
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
-from service.media.navit_sizing import resize_image
+from service.media.navit_sizing import resize_bicubic_antialias, resize_image
 from service.media.patch_layout import frame_values, is_qwen_layout, temporal_axis, value_shape
 from service.media.rules import video_resize, video_sampling
 from service.media.video import VideoInfo, VideoReader
@@ -123,7 +122,7 @@ class _PatchWriter:
             content = self.content(*rgb.shape[:2]) if self.content else (h, w)
             image = resize_image(image, self.method, content, (h, w))
         elif image.size != (w, h) and video_resize(self.cfg) == "torch":
-            image = torch_bicubic_resize(image, w, h)
+            image = Image.fromarray(resize_bicubic_antialias(np.asarray(image), h, w))
         elif image.size != (w, h):
             image = image.resize((w, h), Image.Resampling.BICUBIC)
         if self._dst is None:
