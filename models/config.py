@@ -31,6 +31,11 @@ class VideoConfig:
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)  # qwen-vl-utils 0.0.14 default (VIDEO_TOTAL_PIXELS)
     processor_class: str = ""  # the checkpoint's `video_processor_type`, where it names one
+    # Where a family's video processor differs from its image processor (VideoLLaMA3 merges videos 2x2 and images
+    # not at all; Hy4's normalises videos with other statistics): 0 / None take the image processor's.
+    merge_size: int = 0
+    image_mean: tuple[float, float, float] | None = None
+    image_std: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,15 @@ class ProcessorConfig:
     def factor(self) -> int:
         """Side lengths are resized to multiples of this (one merged token's edge in pixels)."""
         return self.patch_size * self.merge_size
+
+    @property
+    def video_merge_size(self) -> int:
+        return self.video.merge_size or self.merge_size
+
+    @property
+    def video_factor(self) -> int:
+        """A video frame's sides are resized to multiples of this."""
+        return self.patch_size * self.video_merge_size
 
     @property
     def patch_dim(self) -> int:
@@ -89,6 +103,8 @@ class ProcessorConfig:
                 max_pixels=int(video.get("max_pixels") or vsize.get("longest_edge") or video_cfg.max_pixels),
                 total_pixels=int(video.get("total_pixels", video_cfg.total_pixels)),
                 processor_class=str(video.get("video_processor_type") or ""),
+                merge_size=int(video.get("merge_size") or 0),
+                **_video_statistics(image, video),
             )
         return cls(
             family=family,
@@ -102,6 +118,16 @@ class ProcessorConfig:
             max_pixels=int(max_pixels),
             video=video_cfg,
         )
+
+
+def _video_statistics(image: dict[str, Any], video: dict[str, Any]) -> dict[str, Any]:
+    """The video processor's mean and std where they differ from the image processor's."""
+    out = {}
+    for key in ("image_mean", "image_std"):
+        default = OPENAI_CLIP_MEAN if key == "image_mean" else OPENAI_CLIP_STD
+        if key in video and tuple(video[key]) != tuple(image.get(key, default)):
+            out[key] = tuple(video[key])
+    return out
 
 
 @dataclass

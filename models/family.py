@@ -73,6 +73,12 @@ class Family:
     # positions for the family take no time from the part.
     video_second_per_grid: bool = False
     vllm_video_seconds: float | None = None
+    # The order of an item's patch rows as the family's processors give them: "blocks" (each merge block's
+    # patches contiguous, Qwen-VL's) or "raster" (row by row, however the tower merges: HunyuanOCR, Hy4).
+    patch_order: Literal["blocks", "raster"] = "blocks"
+    # The processor classes' own defaults where they differ from Qwen2-VL's, for the keys a checkpoint's
+    # processor configs leave out: {"image": {...}, "video": {...}} (VideoLLaMA3's images are not merged).
+    processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     # transformers' image processor class whose output the server reproduces (the reference in tests)
     image_processor: str = "Qwen2VLImageProcessor"
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes

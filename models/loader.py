@@ -252,7 +252,10 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":
         video = image
-    return ProcessorConfig.from_dicts(family, image, video)
+    defaults = spec.processor_defaults if spec is not None else {}
+    if video is not None and "video" in defaults:
+        video = {**defaults["video"], **video}
+    return ProcessorConfig.from_dicts(family, {**defaults.get("image", {}), **image}, video)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

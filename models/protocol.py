@@ -69,6 +69,12 @@ class Geometry:
     def merge_unit(self) -> int:
         return self.merge * self.merge
 
+    def units(self, grid: Grid) -> int:
+        """Budget units of one item: its patches over `merge_unit`, rounded up (an image a family does not merge,
+        VideoLLaMA3's, may have any patch count), so that a batch within a budget fits its capacity's patches."""
+        t, h, w = grid
+        return -(-t * h * w // self.merge_unit)
+
     def segment_lengths(self, grid: Grid) -> list[int]:
         """Patches of each attention segment of one item."""
         t, h, w = grid

@@ -5,6 +5,8 @@ from models.families import (  # noqa: F401  (registration)
     cohere_compass,
     exaone4_5,
     glm4v,
+    hunyuan_vl,
+    hy_v4_vl,
     qwen2_5_omni,
     qwen2_5_vl,
     qwen2_vl,
@@ -12,6 +14,7 @@ from models.families import (  # noqa: F401  (registration)
     qwen3_omni_moe,
     qwen3_vl,
     qwen3_vl_moe,
+    video_llama_3,
 )
 from models.family import FAMILIES, Family
 

@@ -193,7 +193,8 @@ def hf_visual(tower):
 
 def vision_module(model) -> torch.nn.Module:
     """The vision model inside a transformers model (the Omni models keep it in their thinker)."""
-    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual"):
+    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_tower",
+                 "model.vision_model"):
         found = model
         for name in path.split("."):
             found = getattr(found, name, None)
