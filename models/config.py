@@ -34,6 +34,7 @@ class VideoConfig:
     # Where a family's video processor differs from its image processor (VideoLLaMA3 merges videos 2x2 and images
     # not at all; Hy4's normalises videos with other statistics): 0 / None take the image processor's.
     merge_size: int = 0
+    frame_pixels: int = 0  # the video processor's own cap on a frame's pixels (Hy4's max_image_size); 0: none
     image_mean: tuple[float, float, float] | None = None
     image_std: tuple[float, float, float] | None = None
 
@@ -104,6 +105,7 @@ class ProcessorConfig:
                 total_pixels=int(video.get("total_pixels", video_cfg.total_pixels)),
                 processor_class=str(video.get("video_processor_type") or ""),
                 merge_size=int(video.get("merge_size") or 0),
+                frame_pixels=int((video.get("max_image_size") or {}).get("longest_edge", 0)),
                 **_video_statistics(image, video),
             )
         return cls(

@@ -89,6 +89,10 @@ class Geometry:
         """Output rows a forward at `cap` writes (the items' rows first, in order, then padding)."""
         return cap.patches // self.merge_unit
 
+    def describe(self) -> str:
+        """The output-row rule of an item of grid (t, h, w), in words for `/info`."""
+        return f"t*h*w/{self.merge_unit}"
+
     @property
     def splits_over_time(self) -> bool:
         """An item's output is its temporal chunks' outputs back to back (nothing crosses a temporal patch),

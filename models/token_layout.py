@@ -74,6 +74,10 @@ class NewlineGeometry(Geometry):
         least one segment, so `extra` per segment bounds the items' extra tokens."""
         return 2 * (cap.patches // self.merge_unit) + self.extra * cap.segments
 
+    def describe(self) -> str:
+        m = self.merge
+        return f"t*(h/{m})*(w/{m}+1)" + (f"+{self.extra}" if self.extra else "")
+
     def layout(self, grid: Grid) -> np.ndarray:
         """One item's output rows as layout entries (see `gather_index`)."""
         t, h, w = grid

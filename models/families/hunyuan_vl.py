@@ -122,9 +122,13 @@ def hunyuan_dims(cfg: Any) -> Dims:
                 mlp=cfg.intermediate_size, depth=cfg.num_hidden_layers, out=cfg.text_hidden_size)
 
 
+# HunYuanVLImageProcessor's defaults where Qwen2-VL's differ (512x512 to 2048x2048 pixels, 16-pixel patches, one
+# frame), for the keys a checkpoint's preprocessor config leaves out.
+HUNYUAN_IMAGE_DEFAULTS = {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2,
+                          "size": {"shortest_edge": 512 * 512, "longest_edge": 2048 * 2048}}
 HUNYUAN_VL = register(Family(
     "hunyuan_vl", "HunyuanOCR", prefixes=("vit.", "model.vision_tower."), dims=hunyuan_dims,
     patch_order="raster", video=False, image_processor="HunYuanVLImageProcessor",
-    processor_defaults={"image": {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2}},
+    processor_defaults={"image": HUNYUAN_IMAGE_DEFAULTS},
     hf_class="HunYuanVLForConditionalGeneration", tower=HunyuanTower,
 ))

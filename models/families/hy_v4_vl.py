@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.hunyuan_vl import HUNYUAN_VL
+from models.families.hunyuan_vl import HUNYUAN_IMAGE_DEFAULTS, HUNYUAN_VL
 from models.family import Dims, register
 
 
@@ -20,8 +20,10 @@ def hy4_dims(cfg: Any) -> Dims:
 HY_V4_VL = register(HUNYUAN_VL.derive(
     model_type="hy_v4_vl", title="Hy4", dims=hy4_dims, video=True, video_sampling="hy_v4_vl",
     image_processor="HYV4VLImageProcessor", hf_class="HYV4VLForConditionalGeneration",
-    processor_defaults={"image": {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2},
-                        "video": {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2,
-                                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}},
+    processor_defaults={"image": HUNYUAN_IMAGE_DEFAULTS,
+                        "video": {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2, "fps": 2,
+                                  "min_frames": 2, "max_frames": 1024, "image_mean": [0.5, 0.5, 0.5],
+                                  "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 1024 * 1024},
+                                  "size": {"shortest_edge": 4096, "longest_edge": 33554432}}},
     extra={"text_tokens": False, "position_offset": 0.1},
 ))

@@ -46,6 +46,9 @@ class ModalityMerge(Geometry):
     def output_rows(self, cap: Capacity) -> int:
         return cap.patches // self.merge_of(cap.modality) ** 2
 
+    def describe(self) -> str:
+        return f"images t*h*w/{self.image_merge**2}, videos t*h*w/{self.merge_unit}"
+
 
 class VideoLlama3Tower(ViTTower):
     def __init__(self, family: Family, config: Any, processor: ProcessorConfig, backend: str) -> None:
@@ -97,9 +100,11 @@ VIDEO_LLAMA_3 = register(Family(
     prefixes=("model.vision_model.", "model.projector.", "vision_model.", "projector."), dims=videollama3_dims,
     video_sampling="video_llama_3", image_processor="VideoLlama3ImageProcessor",
     processor_defaults={"image": {"patch_size": 14, "temporal_patch_size": 1, "merge_size": 1,
-                                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+                                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                                  "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}},
                         "video": {"patch_size": 14, "temporal_patch_size": 1, "merge_size": 2, "fps": 1,
                                   "min_frames": 4, "max_frames": 180, "image_mean": [0.5, 0.5, 0.5],
-                                  "image_std": [0.5, 0.5, 0.5]}},
+                                  "image_std": [0.5, 0.5, 0.5],
+                                  "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}}},
     hf_class="VideoLlama3ForConditionalGeneration", tower=VideoLlama3Tower,
 ))

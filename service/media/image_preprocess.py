@@ -33,7 +33,7 @@ from service.media.errors import (
 )
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
-from service.media.rules import image_sizing
+from service.media.rules import image_sizing, row_merge
 
 MAX_ASPECT_RATIO = 200
 
@@ -221,7 +221,7 @@ def preprocess_image(
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.
         image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    pixels = patchify(image, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
+    pixels = patchify(image, cfg.patch_size, row_merge(cfg, "image"), cfg.temporal_patch_size)
     return VisualInput(
         modality="image",
         pixels=pixels,

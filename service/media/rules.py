@@ -9,7 +9,10 @@ paths branch on those names alone, so a family that preprocesses like another on
   "glm4v": `Glm4vImageProcessor`'s (an image is a clip of temporal_patch_size frames: bounds on T*H*W,
   tiny images scaled up first).
 * video sampling "qwen2": qwen-vl-utils `fetch_video`; "qwen3": `Qwen3VLVideoProcessor`; "glm4v":
-  `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded).
+  `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded);
+  "hy_v4_vl": `HYV4VLVideoProcessor`; "video_llama_3": `VideoLlama3VideoProcessor`.
+* patch order "blocks": each merge block's patches contiguous (Qwen-VL's layout); "raster": row by row
+  (HunyuanOCR's, Hy4's processors), whatever the merge.
 """
 
 from __future__ import annotations
@@ -47,3 +50,15 @@ def video_sampling(cfg: ProcessorConfig) -> str:
     if family.video_sampling in GLM_VIDEO_PROCESSORS.values():
         return GLM_VIDEO_PROCESSORS.get(cfg.video.processor_class, family.video_sampling)
     return family.video_sampling
+
+
+def patch_order(cfg: ProcessorConfig) -> str:
+    family = _family(cfg)
+    return family.patch_order if family else "blocks"
+
+
+def row_merge(cfg: ProcessorConfig, modality: str) -> int:
+    """The merge-block side of the patch rows' order for a modality's items (1: raster order)."""
+    if patch_order(cfg) == "raster":
+        return 1
+    return cfg.merge_size if modality == "image" else cfg.video_merge_size

@@ -36,6 +36,7 @@ from PIL import Image
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
+from service.media.rules import row_merge
 from service.media.video import VideoInfo, VideoReader
 from service.media.video_sampling import SamplingPlan, VideoOptions, plan_sampling
 
@@ -86,20 +87,21 @@ class _PatchWriter:
             self._inflight.popleft().result()
 
     def _allocate(self, height: int, width: int) -> None:
-        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        p, m, tps = self.cfg.patch_size, row_merge(self.cfg, "video"), self.cfg.temporal_patch_size
         h, w = self.size(height, width)
         self.orig_size, self.resized = (height, width), (h, w)
         bh, bw = h // (p * m), w // (p * m)
         if self.max_tokens is not None:
             # The plan checked the header's size; the frames themselves decide (a header may lie).
-            _check_tokens((self.num_slots // tps) * bh * bw, self.max_tokens, (self.num_slots // tps, h // p, w // p))
+            grid = (self.num_slots // tps, h // p, w // p)
+            _check_tokens(video_tokens(grid, self.cfg), self.max_tokens, grid)
         self._out = np.empty((self.num_slots // tps, bh, bw, m, m, 3, tps, p * p), np.uint8)
         # Patch rows (P contiguous bytes in source and destination) move as single void items.
         self._dst = self._out.view(np.dtype((np.void, p))).reshape(self._out.shape[:-1] + (p,))
 
     def _write(self, position: int, rgb: np.ndarray) -> None:
         assert self._dst is not None and self.resized is not None
-        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        p, m, tps = self.cfg.patch_size, row_merge(self.cfg, "video"), self.cfg.temporal_patch_size
         h, w = self.resized
         image = Image.fromarray(rgb)
         if image.size != (w, h):
@@ -159,7 +161,7 @@ class VideoPlan:
     orig_size: tuple[int, int]  # upright (H, W) the header describes
     resized: tuple[int, int]  # (h, w) every frame is resized to
     grid_thw: tuple[int, int, int]
-    tokens: int  # t*h*w / merge_size**2
+    tokens: int  # t*h*w / video merge size**2
     packets: int  # packets the decoder must be sent (VideoReader.packets_needed)
     decode_pixels: int  # packets x coded width x height
 
@@ -183,6 +185,11 @@ class VideoPlan:
             "container": info.container,
             "codec": info.codec,
         }
+
+
+def video_tokens(grid: tuple[int, int, int], cfg: ProcessorConfig) -> int:
+    """Merged tokens of a video's grid: t*h*w / video merge size**2."""
+    return grid[0] * grid[1] * grid[2] // cfg.video_merge_size**2
 
 
 def _check_tokens(tokens: int, max_tokens: int, grid: tuple[int, int, int]) -> None:
@@ -209,7 +216,7 @@ def plan_video(
     orig = info.upright_size
     h, w = sampling.size(*orig)
     grid = (len(slots) // tps, h // cfg.patch_size, w // cfg.patch_size)
-    tokens = grid[0] * grid[1] * grid[2] // (cfg.merge_size * cfg.merge_size)
+    tokens = video_tokens(grid, cfg)
     packets = reader.packets_needed(positions)
     plan = VideoPlan(
         info=info,
