@@ -14,6 +14,7 @@ import torch
 from graphs.budgets import GraphKey
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
+from models.families import FAMILIES
 from service.bench.towers import hf_grid_thw, hf_outputs, hf_visual
 
 pytestmark = pytest.mark.cuda
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.cuda
 # Qwen3.5-MoE Qwen3.5's: one of each pair is enough for the kernels, both for the wiring).
 FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b",
         "random:qwen3-vl-30b-a3b", "random:qwen3.5-27b", "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b",
-        "random:exaone-4.5-33b"]
+        "random:exaone-4.5-33b", "random:hunyuan-ocr", "random:hy4", "random:videollama3-7b"]
 DEV = torch.device("cuda")
 
 
@@ -85,7 +86,8 @@ def test_full_size_bf16_parity_with_transformers(full_runner):
     tower = full_runner.tower
     visual = hf_visual(tower)
     m = tower.merge
-    grids = [(1, 32, 32), (1, 16, 24), (2, 12, 12), (1, 4 * m, 6 * m)]
+    takes_video = FAMILIES[tower.family].video  # an image of two frames is a video to an image-only model
+    grids = [(1, 32, 32), (1, 16, 24), (2 if takes_video else 1, 12, 12), (1, 4 * m, 6 * m)]
     items = make_items(tower, grids, 0)
     pixels = np.concatenate([i.pixels for i in items])
     ours = full_runner.encode(items)

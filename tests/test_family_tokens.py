@@ -199,3 +199,21 @@ def test_served_num_tokens_outputs_and_info_follow_the_model(name) -> None:
         else:
             assert rows == (h * w if entry["type"] == "image" else t * h * w // 4)
     assert body["usage"]["tokens"] == sum(e["num_tokens"] for e in body["data"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_gpu_tests_reference_carries_the_tower_s_weights(name) -> None:
+    """tests/test_cuda_graphs.py and the benchmark compare with `hf_visual(tower)`: for these families transformers'
+    whole model, its parameters found by transformers' own renaming of the checkpoint's names, called through its
+    entry point. On the CPU in float32 it must give the tower's rows."""
+    from service.bench.towers import hf_outputs, hf_visual
+
+    tower = load_tower(name, device="cpu", dtype="float32")
+    grids = [(1, 8, 12), (1, 4, 6)]
+    inputs = items(tower, grids, "image", seed=5)
+    with torch.no_grad():
+        ref, _ = hf_outputs(hf_visual(tower)(torch.from_numpy(tower.processor.normalize(
+            np.concatenate([it.pixels for it in inputs]))), grid_thw=torch.tensor(grids)))
+    runner = GraphRunner(tower, torch.device("cpu"), plan_for(tower, max_batch_tokens=256), use_graphs=False)
+    ours = torch.cat([o.embeds for o in runner.encode(inputs)])
+    assert ours.shape == ref.shape and rel_err(ours, ref) <= 1e-4

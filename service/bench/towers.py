@@ -175,6 +175,13 @@ def hf_visual(tower):
     """transformers' vision model of the tower's preset, carrying the tower's weights."""
     import transformers
 
+    from models.vit_tower import ViTTower
+
+    if isinstance(tower, ViTTower):  # checkpoint names unlike transformers' module names: the model's entry point
+        from service.bench.hf_entry import entry_point_reference
+
+        return entry_point_reference(tower)
+
     preset = PRESETS[tower.name]
     cfg = full_config(preset)
     tower.spec.vision_config(cfg)._attn_implementation = "sdpa"
