@@ -129,6 +129,9 @@ HUNYUAN_IMAGE_DEFAULTS = {"patch_size": 16, "temporal_patch_size": 1, "merge_siz
 HUNYUAN_VL = register(Family(
     "hunyuan_vl", "HunyuanOCR", prefixes=("vit.", "model.vision_tower."), dims=hunyuan_dims,
     patch_order="raster", video=False, image_processor="HunYuanVLImageProcessor",
+    # vLLM 0.33 serves it through its Transformers backend, whose processor takes no image_embeds parts (it fails
+    # on them): the hand-off keeps the media and names the cached encoder output by uuid, as for GLM-4.1V.
+    vllm_embedding_parts=False,
     processor_defaults={"image": HUNYUAN_IMAGE_DEFAULTS},
     hf_class="HunYuanVLForConditionalGeneration", tower=HunyuanTower,
 ))

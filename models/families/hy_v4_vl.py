@@ -20,6 +20,7 @@ def hy4_dims(cfg: Any) -> Dims:
 HY_V4_VL = register(HUNYUAN_VL.derive(
     model_type="hy_v4_vl", title="Hy4", dims=hy4_dims, video=True, video_sampling="hy_v4_vl",
     image_processor="HYV4VLImageProcessor", hf_class="HYV4VLForConditionalGeneration",
+    vllm_embedding_parts=True,  # vLLM 0.33 does not serve Hy4's vision model: parts as for the Qwen-VL families
     processor_defaults={"image": HUNYUAN_IMAGE_DEFAULTS,
                         "video": {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2, "fps": 2,
                                   "min_frames": 2, "max_frames": 1024, "image_mean": [0.5, 0.5, 0.5],
