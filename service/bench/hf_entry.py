@@ -69,3 +69,15 @@ def entry_point_reference(tower) -> EntryPoint:
         if isinstance(getattr(m, "inv_freq", None), torch.Tensor) and hasattr(m, "compute_axial_rope_parameters"):
             m.inv_freq = m.compute_axial_rope_parameters(m.config)[0].to(dev)
     return EntryPoint(model, spec.model_type).eval()
+
+
+def vision_checkpoint_shapes(model: nn.Module, prefixes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors `save_pretrained` writes under the vision prefixes, keyed without them: what a
+    tower named after the checkpoint must hold."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    out = {}
+    for ckpt, name in checkpoint_names(model).items():
+        prefix = next((p for p in prefixes if ckpt.startswith(p)), None)
+        if prefix is not None:
+            out[ckpt[len(prefix):]] = shapes[name]
+    return out
