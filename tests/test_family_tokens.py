@@ -72,12 +72,20 @@ def items(tower, grids, modality: str, seed: int = 0) -> list[VisualInput]:
             for t, h, w in grids]
 
 
+def normalised(tower, pixels: np.ndarray, modality: str) -> torch.Tensor:
+    """Rows rescaled and normalised with the statistics of the modality's own processor (Hy4's video processor
+    takes 0.5 where its image processor takes CLIP's)."""
+    cfg = tower.processor
+    mean = np.asarray(cfg.video.image_mean or cfg.image_mean if modality == "video" else cfg.image_mean, np.float32)
+    std = np.asarray(cfg.video.image_std or cfg.image_std if modality == "video" else cfg.image_std, np.float32)
+    rows = pixels.reshape(len(pixels), 3, -1).astype(np.float32) * np.float32(cfg.rescale_factor)
+    return torch.from_numpy(((rows - mean[:, None]) / std[:, None]).reshape(len(pixels), -1))
+
+
 def reference(model, tower, inputs: list[VisualInput]) -> list[torch.Tensor]:
-    """The model's own entry point on the normalised rows (each modality's own statistics)."""
+    """The model's own entry point on the normalised rows."""
     modality = inputs[0].modality
-    pixels = torch.from_numpy(np.concatenate([it.pixels for it in inputs]))
-    cap = tower.required_capacity([it.grid_thw for it in inputs], modality)
-    x = tower.normalized(pixels, cap)
+    x = normalised(tower, np.concatenate([it.pixels for it in inputs]), modality)
     grids = torch.tensor([it.grid_thw for it in inputs])
     kwargs = {}
     if tower.family == "video_llama_3":
