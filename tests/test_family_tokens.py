@@ -23,6 +23,7 @@ from graphs.budgets import BudgetPlan
 from graphs.packing import PackItem, pack
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
+from models.loader import check_model
 from models.presets import PRESETS
 from tests.checkpoints import reference_model
 from tests.http_helpers import ServerThread, image_bytes, settings
@@ -56,6 +57,7 @@ def checkpoints(tmp_path_factory):
             (folder / "preprocessor_config.json").write_text(json.dumps(preset.preprocessor))
             if preset.video_preprocessor:
                 (folder / "video_preprocessor_config.json").write_text(json.dumps(preset.video_preprocessor))
+            assert check_model(str(folder)) == preset.family  # the server's start-up check, from the headers
             made[name] = load_tower(str(folder), device="cpu", dtype="float32"), model
         return made[name]
 
