@@ -74,6 +74,11 @@ class NewlineGeometry(Geometry):
         least one segment, so `extra` per segment bounds the items' extra tokens."""
         return 2 * (cap.patches // self.merge_unit) + self.extra * cap.segments
 
+    @property
+    def splits_over_time(self) -> bool:
+        """Frames are laid out independently, but an item's begin and end tokens are once per item."""
+        return not self.whole_clip and self.extra == 0
+
     def describe(self) -> str:
         m = self.merge
         return f"t*(h/{m})*(w/{m}+1)" + (f"+{self.extra}" if self.extra else "")

@@ -227,3 +227,20 @@ def test_the_gpu_tests_reference_carries_the_tower_s_weights(name) -> None:
     runner = GraphRunner(tower, torch.device("cpu"), plan_for(tower, max_batch_tokens=256), use_graphs=False)
     ours = torch.cat([o.embeds for o in runner.encode(inputs)])
     assert ours.shape == ref.shape and rel_err(ours, ref) <= 1e-4
+
+
+def test_newline_layout_by_index() -> None:
+    """Two items' rows, gathered from the batch's merged tokens then [newline, begin, end]: each item's begin, its
+    rows of merged tokens each closed by the newline, its end; then padding (row 0). Begin and end are per item,
+    so such an item cannot run as time chunks; frames alone (Hy4) can."""
+    from models.protocol import Capacity
+    from models.token_layout import NewlineGeometry
+
+    geometry = NewlineGeometry(2, extra=2)
+    cap = Capacity(patches=64, segments=3)  # 16 merged tokens, rows 16 (newline), 17 (begin), 18 (end)
+    index = geometry.gather_index([(1, 4, 4), (1, 2, 6)], cap)  # 2x2 merged tokens, then 1x3
+    assert index[:8].tolist() == [17, 0, 1, 16, 2, 3, 16, 18]
+    assert index[8:14].tolist() == [17, 4, 5, 6, 16, 18]
+    assert len(index) == geometry.output_rows(cap) and not index[14:].any()
+    assert not geometry.splits_over_time and NewlineGeometry(2).splits_over_time
+    assert NewlineGeometry(2).tokens((3, 4, 6)) == 3 * 2 * 4
