@@ -81,12 +81,15 @@ class Family:
     vllm_video_seconds: float | None = None
     # transformers' image processor class whose output the server reproduces (the reference in tests)
     image_processor: str = "Qwen2VLImageProcessor"
-    # How that processor lays out pixel rows (models/config.py ProcessorConfig.patch_layout / patch_order).
+    # How that processor lays out pixel rows (models/config.py ProcessorConfig.patch_layout / patch_order): an
+    # item's rows in "block" order (each merge block's patches contiguous, Qwen-VL's) or "raster" (row by row,
+    # however the tower merges: PaddleOCR-VL, HunyuanOCR, Hy4).
     patch_layout: Literal["chw", "hwc"] = "chw"
     patch_order: Literal["block", "raster"] = "block"
     # The defaults the family's processor classes hold where they differ from Qwen2-VL's, for the keys a
     # checkpoint's processor configs leave out: {"image": {...}, "video": {...}} (the image processor's and the
-    # video processor's; ProcessorConfig.from_dicts puts them under what a config says).
+    # video processor's, e.g. VideoLLaMA3's images are not merged; ProcessorConfig.from_dicts puts them under
+    # what a config says).
     processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
     # none, so its hand-off part keeps the media and names the cached encoder output by uuid.

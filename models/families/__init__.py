@@ -8,6 +8,8 @@ from models.families import (  # noqa: F401  (registration)
     ernie4_5_vl_moe,
     exaone4_5,
     glm4v,
+    hunyuan_vl,
+    hy_v4_vl,
     kimi_k25,
     lfm3_vl,
     minimax_m3_vl,
@@ -21,6 +23,7 @@ from models.families import (  # noqa: F401  (registration)
     qwen3_omni_moe,
     qwen3_vl,
     qwen3_vl_moe,
+    video_llama_3,
 )
 from models.family import FAMILIES, Family
 

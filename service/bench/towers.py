@@ -181,6 +181,14 @@ def hf_visual(tower):
 
     if "reference_features" in tower.spec.extra:  # a projector beside the vision model: the whole model's features
         return hf_projected(tower)
+    from models.vit_tower import ViTTower
+
+
+    if isinstance(tower, ViTTower):  # checkpoint names unlike transformers' module names: the model's entry point
+        from service.bench.hf_entry import entry_point_reference
+
+        return entry_point_reference(tower)
+
     preset = PRESETS[tower.name]
     cfg = full_config(preset)
     tower.spec.vision_config(cfg)._attn_implementation = "sdpa"
@@ -240,6 +248,8 @@ class ReferenceFeatures(torch.nn.Module):
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self._features(self._whole[0], pixels, grid_thw)
+
+
 class ProjectedReference(torch.nn.Module):
     """transformers' whole model of a family whose tower feeds a projector outside its vision model, called as
     a vision model is: packed pixels and grids in, the family's features out (`Family.extra["reference_features"]`:
@@ -286,7 +296,8 @@ def vision_module(model) -> torch.nn.Module:
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
     if family is not None and "reference_image_features" in family.extra:
         return ReferenceFeatures(model, family.extra["reference_image_features"])
-    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_tower"):
+    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_tower",
+                 "model.vision_model"):
         found = model
         for name in path.split("."):
             found = getattr(found, name, None)

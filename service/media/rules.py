@@ -11,7 +11,8 @@ paths branch on those names alone, so a family that preprocesses like another on
 * image resize "pil": PIL bicubic on the uint8 image (the *ImageProcessorPil classes); "torch": torchvision's
   bicubic with antialias on a uint8 tensor (MiniMaxM3VLImageProcessor, which exists only with torchvision).
 * video sampling "qwen2": qwen-vl-utils `fetch_video`; "qwen3": `Qwen3VLVideoProcessor`; "glm4v":
-  `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded).
+  `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded);
+  "hy_v4_vl": `HYV4VLVideoProcessor`; "video_llama_3": `VideoLlama3VideoProcessor`.
 """
 
 from __future__ import annotations
@@ -67,3 +68,4 @@ def video_sampling(cfg: ProcessorConfig) -> str:
     if family.video_sampling in GLM_VIDEO_PROCESSORS.values():
         return GLM_VIDEO_PROCESSORS.get(cfg.video.processor_class, family.video_sampling)
     return family.video_sampling
+

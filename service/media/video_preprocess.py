@@ -97,13 +97,14 @@ class _PatchWriter:
             self._inflight.popleft().result()
 
     def _allocate(self, height: int, width: int) -> None:
-        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        p, m, tps = self.cfg.patch_size, self.cfg.video_merge_size, self.cfg.temporal_patch_size
         h, w = self.size(height, width)
         self.orig_size, self.resized = (height, width), (h, w)
         bh, bw = h // (p * m), w // (p * m)
         if self.max_tokens is not None:
             # The plan checked the header's size; the frames themselves decide (a header may lie).
-            _check_tokens((self.num_slots // tps) * bh * bw, self.max_tokens, (self.num_slots // tps, h // p, w // p))
+            grid = (self.num_slots // tps, h // p, w // p)
+            _check_tokens(video_tokens(grid, self.cfg), self.max_tokens, grid)
         if not is_qwen_layout(self.cfg):  # the family's own row layout: [T, rows of a frame, *value axes]
             self._out = np.empty((self.num_slots // tps, bh * bw * m * m, *value_shape(self.cfg)), np.uint8)
             return
@@ -113,7 +114,7 @@ class _PatchWriter:
 
     def _write(self, position: int, rgb: np.ndarray) -> None:
         assert self._out is not None and self.resized is not None
-        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        p, m, tps = self.cfg.patch_size, self.cfg.video_merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
         image = Image.fromarray(rgb)
         if position in self.labels:
@@ -186,7 +187,7 @@ class VideoPlan:
     orig_size: tuple[int, int]  # upright (H, W) the header describes
     resized: tuple[int, int]  # (h, w) every frame is resized to
     grid_thw: tuple[int, int, int]
-    tokens: int  # t*h*w / merge_size**2
+    tokens: int  # t*h*w / video merge size**2
     packets: int  # packets the decoder must be sent (VideoReader.packets_needed)
     decode_pixels: int  # packets x coded width x height
 
@@ -210,6 +211,11 @@ class VideoPlan:
             "container": info.container,
             "codec": info.codec,
         }
+
+
+def video_tokens(grid: tuple[int, int, int], cfg: ProcessorConfig) -> int:
+    """Merged tokens of a video's grid: t*h*w / video merge size**2."""
+    return grid[0] * grid[1] * grid[2] // cfg.video_merge_size**2
 
 
 def _check_tokens(tokens: int, max_tokens: int, grid: tuple[int, int, int]) -> None:
@@ -236,7 +242,7 @@ def plan_video(
     orig = info.upright_size
     h, w = sampling.size(*orig)
     grid = (len(slots) // tps, h // cfg.patch_size, w // cfg.patch_size)
-    tokens = grid[0] * grid[1] * grid[2] // (cfg.merge_size * cfg.merge_size)
+    tokens = video_tokens(grid, cfg)
     packets = reader.packets_needed(positions)
     plan = VideoPlan(
         info=info,

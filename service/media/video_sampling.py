@@ -15,6 +15,9 @@ The rules follow the reference each model family ships with:
   frame's time drawn on it before resizing: service.media.frame_labels).
 * MiniMax-M3: `MiniMaxM3VLVideoProcessor` takes the frames it is given; they are vLLM's for the model (one a
   second), each sized by `smart_resize` between the video processor's min_pixels and max_pixels.
+* Hy4: `HYV4VLVideoProcessor` (frames at fps over the clip, sized along the frame's aspect so that the clip's
+  tokens, a newline per row counted, fit its budget; never upscaled).
+* VideoLLaMA3: `VideoLlama3VideoProcessor` (frames at fps, the clip's pixel budget shared by its frames).
 
 `service.media.rules` says which of these a family follows.
 
@@ -31,8 +34,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.config import ProcessorConfig
-from service.media.errors import INVALID_OPTION, TOO_FEW_FRAMES, UNSUPPORTED_FORMAT, MediaError
-from service.media.image_preprocess import clip_smart_resize, navit_image_size, smart_resize
+from service.media.errors import (
+    ASPECT_RATIO,
+    INVALID_OPTION,
+    TOO_FEW_FRAMES,
+    TOO_SMALL,
+    UNSUPPORTED_FORMAT,
+    MediaError,
+)
+from service.media.image_preprocess import MAX_ASPECT_RATIO, clip_smart_resize, navit_image_size, smart_resize
 from service.media.navit_sizing import kimi_frame_indices, muse_frame_indices
 from service.media.rules import takes_video, video_sampling
 
@@ -339,6 +349,71 @@ def ernie_frame_indices(total_frames: int, video_fps: float, *, fps: float | Non
         raise MediaError(reason=f"{n} frames asked of a clip of {total_frames}", code=INVALID_OPTION)
     indices = torch.arange(0, total_frames, total_frames / n).int().numpy().astype(np.int64)
     return np.concatenate([indices, indices[-1:]]) if len(indices) % 2 else indices
+# -- Hy4: transformers HYV4VLVideoProcessor ------------------------------------------------------
+
+
+def hy4_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = 2.0, num_frames: int | None = None,
+                      min_frames: int = 2, max_frames: int = 1024) -> np.ndarray:
+    """HYV4VLVideoProcessor.sample_frames: int(duration * fps) frames clamped to [min_frames, max_frames] and to
+    the frames there are (or `num_frames` as asked), at np.linspace(0, last, n) rounded (half to even)."""
+    if num_frames is None:
+        wanted = int(total_frames / video_fps * fps) if fps is not None else total_frames
+        num_frames = min(max(wanted, min_frames), max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, num_frames).round().astype(np.int64)
+
+
+def hy4_frame_size(height: int, width: int, num_frames: int, *, factor: int, max_pixels: int,
+                   max_frame_pixels: int) -> tuple[int, int]:
+    """HYV4VLVideoProcessor.smart_resize: the largest (rows, cols) of merged patches along the frame's aspect
+    ray, never upscaled, whose tokens with a newline per row, rows * (cols + 1) per frame, fit the clip's budget
+    (max_pixels / factor**2 over all frames) and whose pixels fit `max_frame_pixels`; in pixels."""
+    if min(num_frames, height, width, factor, max_pixels, max_frame_pixels) <= 0:
+        raise MediaError(f"a {width}x{height} video of {num_frames} frames cannot be sized", TOO_SMALL)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise MediaError(f"aspect ratio {ratio:.1f} of {width}x{height} frames is above the limit of "
+                         f"{MAX_ASPECT_RATIO}", ASPECT_RATIO)
+    budget = max_pixels // (factor * factor)
+    for rows in range(max(1, height // factor), 0, -1):
+        # Along the ray, `rows` merged rows go with these columns; a single row takes any narrower width.
+        low = 1 if rows == 1 else max(1, width * rows // height)
+        high = min(max(1, width // factor), max(1, -(-width * (rows + 1) // height) - 1))
+        cols = min(high, budget // (num_frames * rows) - 1 if budget > 0 else 0,
+                   max_frame_pixels // (factor * factor * rows))
+        if cols >= low:
+            return rows * factor, cols * factor
+    return factor, factor
+
+
+# -- VideoLLaMA3: transformers VideoLlama3VideoProcessor ------------------------------------------
+
+
+def float32_arange_int(end: int, step: float) -> np.ndarray:
+    """`torch.arange(0, end, step).int()` with a float step (float32 values, computed in double on the CPU,
+    truncated): ceil(end / step) values."""
+    count = math.ceil(end / step)
+    return (np.arange(count, dtype=np.float64) * step).astype(np.float32).astype(np.int64)
+
+
+def videollama3_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = 1.0,
+                              num_frames: int | None = None, min_frames: int = 4, max_frames: int = 180,
+                              temporal_patch_size: int = 1) -> np.ndarray:
+    """VideoLlama3VideoProcessor.sample_frames: duration * fps frames clamped to [min_frames, max_frames] and to
+    the frames there are, floored to the temporal patch (or `num_frames` rounded to it), spread as
+    torch.arange(0, total, total / n) truncated; every frame without fps nor num_frames."""
+    tps = temporal_patch_size
+    if num_frames is not None:
+        num_frames = round(num_frames / tps) * tps
+    elif fps is not None:
+        cap = math.floor(min(max_frames, total_frames) / tps) * tps
+        wanted = min(max(total_frames / video_fps * fps, min_frames), cap, total_frames)
+        num_frames = math.floor(wanted / tps) * tps
+    if num_frames is None:
+        return np.arange(total_frames, dtype=np.int64)
+    if not 0 < num_frames <= total_frames:
+        raise MediaError(reason=f"sampling asks for {num_frames} frames; the video has {total_frames} in range",
+                         code=INVALID_OPTION if num_frames > total_frames else TOO_FEW_FRAMES)
+    return float32_arange_int(total_frames, total_frames / num_frames)
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -388,7 +463,7 @@ def plan_sampling(
     first, last, count = frame_range(total_frames, video_fps, video_start, video_end)
     want_fps = vcfg.fps if fps is None else fps
     lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
-    factor = cfg.factor
+    factor = cfg.video_factor
     rules = video_sampling(cfg)
     dynamic = False  # the family's processor chose the rate itself (GLM-4.6V): no requested fps to report
     if rules == "qwen2":
@@ -536,6 +611,31 @@ def plan_sampling(
 
         def size(height: int, width: int) -> tuple[int, int]:
             return smart_resize(height, width, factor, lo_px, hi_frame)
+    elif rules in ("hy_v4_vl", "video_llama_3"):
+        lo_frames = vcfg.min_frames if min_frames is None else min_frames
+        hi_frames = vcfg.max_frames if max_frames is None else max_frames
+        hi_budget = vcfg.max_pixels if max_pixels is None else max_pixels
+        if total_pixels is not None:
+            hi_budget = min(hi_budget, total_pixels)
+        if rules == "hy_v4_vl":
+            indices = hy4_frame_indices(count, video_fps, fps=want_fps, num_frames=nframes, min_frames=lo_frames,
+                                        max_frames=hi_frames)
+        else:
+            indices = videollama3_frame_indices(count, video_fps, fps=want_fps, num_frames=nframes,
+                                                min_frames=lo_frames, max_frames=hi_frames,
+                                                temporal_patch_size=cfg.temporal_patch_size)
+        if nframes is None:
+            wanted = count / video_fps * want_fps
+            adjusted = _fps_adjustment(int(wanted) if rules == "hy_v4_vl" else wanted, len(indices), hi_frames, count)
+        indices = first + indices
+        n = len(indices)
+        frame_cap = vcfg.frame_pixels or hi_budget
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            if rules == "hy_v4_vl":  # frames never grow; the clip's tokens (newlines counted) fit its budget
+                return hy4_frame_size(height, width, n, factor=factor, max_pixels=int(hi_budget),
+                                      max_frame_pixels=frame_cap)
+            return smart_resize(height, width, factor, lo_px, int(hi_budget) // n)  # the budget shared by frames
 
     else:
         raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
