@@ -4,41 +4,30 @@ rather than Qwen-VL's (`blocks.N.attn.qkv`, `norm1`): the shared parts and the p
 A family's tower subclasses `ViTTower`, names its blocks with a `BlockNames` and adds its own embedding and
 merger; the CPU half (capacity, cu_seqlens) and the block stack (pre-norm, residual adds fused with the next
 norm, attention over packed segments, optional 2D rotary) are here once. Parameter names follow the
-checkpoint (after the family's prefix), so a state dict loads as is; q, k and v are fused into one matrix
-product after loading, the checkpoint's parameters kept as views into it.
+checkpoint (after the family's prefix), so a state dict loads as is. The blocks are the shared ones:
+models.layers.Block under the checkpoint's names (models/blocks.py), with SigLIP's attention
+(models/siglip.py: q, k and v fused into one matrix product after loading, the checkpoint's parameters kept as
+views into it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.attention import packed_attention
+from models.blocks import NamedBlock
 from models.config import ProcessorConfig
 from models.family import Dims, Family
-from models.kernels import add_norm, apply_rotary
+from models.kernels import add_norm
 from models.layers import Mlp, Normalize, Rotary2D
-from models.metadata import base_capacity, block_order_positions, padded_cumsum, segment_lengths
+from models.metadata import base_capacity, padded_cumsum, segment_lengths
 from models.protocol import Capacity, CapacityError, Geometry, Grid
-
-
-class RowConv2d(nn.Conv2d):
-    """A Conv2d whose kernel equals its stride, on rows that each hold one kernel window in (channel, row,
-    column) order: one matrix product. The patch embedding over pixel rows of one frame's patch (temporal
-    patch 1), or a 1x1 convolution over token rows."""
-
-    def __init__(self, dim: int, out: int, kernel: int, bias: bool = True) -> None:
-        super().__init__(dim, out, kernel_size=kernel, stride=kernel, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.bias)
+from models.siglip import SiglipAttention
 
 
 @dataclass(frozen=True)
@@ -57,68 +46,14 @@ class BlockNames:
     fc2: str = "fc2"
 
 
-SIGLIP_NAMES = BlockNames()
 
-
-class NamedAttention(nn.Module):
-    """Multi-head attention over packed segments with separate q, k, v and output projections (all with
-    biases), named as `names` says; 2D rotary positions where the caller gives cos and sin."""
-
-    def __init__(self, dim: int, heads: int, backend: str, names: BlockNames) -> None:
-        super().__init__()
-        self.heads, self.names, self.backend = heads, names, backend
-        for name in (names.q, names.k, names.v, names.out):
-            setattr(self, name, nn.Linear(dim, dim))
-        self.fused: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def fuse(self) -> None:
-        """One weight and bias holding q, k and v; the checkpoint's parameters become views into them."""
-        parts = [getattr(self, n) for n in (self.names.q, self.names.k, self.names.v)]
-        weight = torch.cat([p.weight.data for p in parts])
-        bias = torch.cat([p.bias.data for p in parts])
-        rows = parts[0].weight.shape[0]
-        for i, p in enumerate(parts):
-            p.weight.data, p.bias.data = weight[i * rows:(i + 1) * rows], bias[i * rows:(i + 1) * rows]
-        self.fused = (weight, bias)
-
-    def projections(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is None:  # not loaded yet (shape checks, reference comparisons)
-            return torch.cat([getattr(self, n)(x) for n in (self.names.q, self.names.k, self.names.v)], dim=-1)
-        return F.linear(x, *self.fused)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, cu_seqlens: torch.Tensor,
-                max_seqlen: int) -> torch.Tensor:
-        n, heads = x.shape[0], self.heads
-        rows = self.projections(x).view(n, 3 * heads, -1)
-        q, k, v = rows[:, :heads], rows[:, heads:2 * heads], rows[:, 2 * heads:]
-        if cos is not None and sin is not None:
-            qk = apply_rotary(rows[:, :2 * heads].unsqueeze(1), cos, sin)[:, 0]
-            q, k = qk[:, :heads], qk[:, heads:]
-        out = packed_attention(self.backend, q, k, v, cu_seqlens, max_seqlen)
-        return getattr(self, self.names.out)(out.reshape(n, -1))
-
-
-class NamedBlock(nn.Module):
-    """Pre-norm block (LayerNorm, attention, LayerNorm, fc2(act(fc1))) under the checkpoint's names. As
-    models.layers.Block, it takes its input already normalised and returns the MLP output unadded."""
-
-    def __init__(self, dims: Dims, act: str, eps: float, backend: str, names: BlockNames) -> None:
-        super().__init__()
-        self.names = names
-        setattr(self, names.norm1, nn.LayerNorm(dims.hidden, eps=eps))
-        setattr(self, names.norm2, nn.LayerNorm(dims.hidden, eps=eps))
-        setattr(self, names.attn, NamedAttention(dims.hidden, dims.heads, backend, names))
-        setattr(self, names.mlp, Mlp(dims.hidden, dims.mlp, act, (names.fc1, names.fc2)))
-
-    @property
-    def norm1(self) -> nn.Module:
-        return getattr(self, self.names.norm1)
-
-    def forward(self, x: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = getattr(self, self.names.attn)(normed, cos, sin, cu_seqlens, max_seqlen)
-        x, normed = add_norm(x, attn, getattr(self, self.names.norm2))
-        return x, getattr(self, self.names.mlp)(normed)
+def named_block(dims: Dims, act: str, eps: float, backend: str, names: BlockNames) -> NamedBlock:
+    """A pre-norm block (LayerNorm, attention with separate q/k/v/out projections, LayerNorm, fc2(act(fc1)))
+    under the checkpoint's names: models.layers.Block run as it is, its parts renamed (models/blocks.py)."""
+    attn = SiglipAttention(dims.hidden, dims.heads, backend, (names.q, names.k, names.v, names.out))
+    block = NamedBlock(nn.LayerNorm(dims.hidden, eps=eps), nn.LayerNorm(dims.hidden, eps=eps), attn,
+                       Mlp(dims.hidden, dims.mlp, act, (names.fc1, names.fc2)))
+    return block.use_names({"norm1": names.norm1, "norm2": names.norm2, "attn": names.attn, "mlp": names.mlp})
 
 
 class ViTTower(nn.Module):
@@ -148,10 +83,10 @@ class ViTTower(nn.Module):
                                                     video.image_std or processor.image_std)
 
     def _normalizer(self, mean: Sequence[float], std: Sequence[float]) -> Normalize:
-        cfg = self.processor
-        per_channel = cfg.temporal_patch_size * cfg.patch_size**2
-        return Normalize(torch.from_numpy(np.repeat(np.asarray(mean, np.float32), per_channel)),
-                         torch.from_numpy(np.repeat(np.asarray(std, np.float32), per_channel)), cfg.rescale_factor)
+        """The processor's statistics `mean` and `std`, spread along a row in its layout."""
+        cfg = replace(self.processor, image_mean=tuple(mean), image_std=tuple(std))
+        row_mean, row_std = cfg.channel_vectors()
+        return Normalize(torch.from_numpy(row_mean), torch.from_numpy(row_std), cfg.rescale_factor)
 
     def make_geometry(self) -> Geometry:
         return Geometry(self.merge)
@@ -184,7 +119,7 @@ class ViTTower(nn.Module):
         return next(self.parameters()).dtype
 
     @property
-    def blocks(self) -> list[NamedBlock]:
+    def blocks(self) -> list[nn.Module]:
         """The block stack, wherever the checkpoint keeps it."""
         raise NotImplementedError
 
@@ -199,7 +134,7 @@ class ViTTower(nn.Module):
     def set_attention(self, backend: str) -> None:
         self.backend = backend
         for module in self.modules():
-            if isinstance(module, NamedAttention):
+            if isinstance(module, SiglipAttention):
                 module.backend = backend
 
     def normalized(self, pixels: torch.Tensor, cap: Capacity) -> torch.Tensor:
@@ -230,21 +165,3 @@ class ViTTower(nn.Module):
             else:
                 x = x + mlp_out
         return x
-
-
-def raster_to_blocks(h: int, w: int, merge: int) -> np.ndarray:
-    """Raster indices of one frame's patches taken in merge-block order: gathering a raster-ordered frame
-    (HunyuanOCR's and Hy4's processors) by them makes each merge block's patches contiguous."""
-    pos = block_order_positions(h, w, merge)
-    return pos[:, 0].astype(np.int64) * w + pos[:, 1]
-
-
-def block_order_index(grids: Sequence[Grid], merge: int, patches: int) -> np.ndarray:
-    """[patches] int64 gather index putting every frame of a batch in merge-block order; padding rows stay."""
-    out = np.arange(patches, dtype=np.int64)
-    offset = 0
-    for t, h, w in grids:
-        frame = raster_to_blocks(h, w, merge)
-        out[offset:offset + t * h * w] = (offset + np.arange(t)[:, None] * (h * w) + frame[None]).reshape(-1)
-        offset += t * h * w
-    return out

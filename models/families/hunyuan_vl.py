@@ -27,10 +27,12 @@ from models.family import Dims, Family, register
 from models.interpolated_positions import half_pixel_metadata
 from models.kernels import ACTIVATIONS
 from models.layers import RMSNorm, check_activation, position_table
+from models.mergers import raster_merge_index
+from models.patches import Conv2dPatches
 from models.positions import resample_float32
 from models.protocol import Capacity, Grid, TowerOutput
 from models.token_layout import NewlineGeometry, lay_out
-from models.vit_tower import BlockNames, NamedBlock, RowConv2d, ViTTower, block_order_index
+from models.vit_tower import BlockNames, ViTTower, named_block
 
 HUNYUAN_NAMES = BlockNames(norm1="input_layernorm", norm2="post_attention_layernorm", out="o_proj",
                            fc1="dense_h_to_4h", fc2="dense_4h_to_h")
@@ -48,7 +50,7 @@ class Perceive(nn.Module):
         self.act = check_activation(act)
         self.text = text_width is not None
         setattr(self, "before_rms" if self.text else "norm", RMSNorm(dim, eps))
-        self.proj = nn.ModuleList([MergeConv(dim, wide, merge), nn.Identity(), RowConv2d(wide, out, 1)])
+        self.proj = nn.ModuleList([MergeConv(dim, wide, merge), nn.Identity(), Conv2dPatches(wide, out, 1)])
         self.image_newline = nn.Parameter(torch.empty(out))
         if text_width is not None:
             self.mlp = nn.Linear(out, text_width)
@@ -83,9 +85,9 @@ class HunyuanTower(ViTTower):
         self.side = cfg.max_image_size // cfg.patch_size
         self.position_offset = family.extra.get("position_offset")  # Hy4 samples its table by (size + 0.1) / side
         self.embeddings = nn.Module()
-        self.embeddings.patch_embedding = RowConv2d(cfg.num_channels, dims.hidden, cfg.patch_size)
+        self.embeddings.patch_embedding = Conv2dPatches(cfg.num_channels, dims.hidden, cfg.patch_size)
         self.embeddings.position_embedding = position_table(self.side * self.side + 1, dims.hidden)
-        self.layers = nn.ModuleList(NamedBlock(dims, cfg.hidden_act, eps, backend, HUNYUAN_NAMES)
+        self.layers = nn.ModuleList(named_block(dims, cfg.hidden_act, eps, backend, HUNYUAN_NAMES)
                                     for _ in range(dims.depth))
         if family.extra.get("text_tokens", True):  # HunyuanOCR: 2x, 4x the width, then a Linear to the text's
             self.perceive = Perceive(dims.hidden, 2 * dims.hidden, 4 * dims.hidden, self.merge, cfg.hidden_act, eps,
@@ -98,12 +100,12 @@ class HunyuanTower(ViTTower):
         return NewlineGeometry(self.merge, extra=2 if self.spec.extra.get("text_tokens", True) else 0)
 
     @property
-    def blocks(self) -> list[NamedBlock]:
+    def blocks(self) -> list[nn.Module]:
         return list(self.layers)
 
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
         meta = super().build_metadata(grids, cap)
-        meta["patch_order"] = block_order_index(grids, self.merge, cap.patches)
+        meta["patch_order"] = raster_merge_index(grids, self.merge, cap.patches)
         meta.update(half_pixel_metadata(grids, cap, self.merge, self.side, first=1, offset=self.position_offset))
         meta["out_index"] = self.geometry.gather_index(grids, cap)
         return meta

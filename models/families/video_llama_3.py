@@ -25,9 +25,11 @@ from models.config import ProcessorConfig
 from models.family import Dims, Family, register
 from models.layers import Rotary2D
 from models.metadata import rotary_positions
+from models.patches import Conv2dPatches
 from models.protocol import Capacity, Geometry, Grid, TowerOutput
+from models.siglip import SiglipBlock
 from models.tower import rope_theta
-from models.vit_tower import SIGLIP_NAMES, NamedBlock, RowConv2d, ViTTower
+from models.vit_tower import ViTTower
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,9 @@ class VideoLlama3Tower(ViTTower):
         dims = self.dims
         self.rotary = Rotary2D(dims.hidden // dims.heads, rope_theta(cfg))
         self.embeddings = nn.Module()
-        self.embeddings.patch_embedding = RowConv2d(cfg.num_channels, dims.hidden, cfg.patch_size)
+        self.embeddings.patch_embedding = Conv2dPatches(cfg.num_channels, dims.hidden, cfg.patch_size)
         self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(NamedBlock(dims, cfg.hidden_act, cfg.layer_norm_eps, backend, SIGLIP_NAMES)
+        self.encoder.layers = nn.ModuleList(SiglipBlock(dims, cfg.hidden_act, cfg.layer_norm_eps, backend)
                                             for _ in range(dims.depth))
         self.post_layernorm = nn.LayerNorm(dims.hidden, eps=cfg.layer_norm_eps)
         self.readout = nn.Sequential(nn.Linear(dims.hidden, dims.out), nn.GELU(), nn.Linear(dims.out, dims.out))
@@ -71,7 +73,7 @@ class VideoLlama3Tower(ViTTower):
         return ModalityMerge(self.merge, image_merge=self.image_merge)
 
     @property
-    def blocks(self) -> list[NamedBlock]:
+    def blocks(self) -> list[nn.Module]:
         return list(self.encoder.layers)
 
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
