@@ -1,7 +1,7 @@
 """HunyuanOCR (`hunyuan_vl`), and the tower Hy4 (`hy_v4_vl`, models/families/hy_v4_vl.py) shares with it.
 
 Conv2d patches (temporal patch 1) plus a learned position table of (max_image_size / patch)^2 rows after a
-class row, resampled bilinearly to each frame (models/interpolated_positions.py); LayerNorm blocks without
+class row, resampled bilinearly to each frame (models/positions.py); LayerNorm blocks without
 rotary (separate q/k/v/o projections, fc2(GELU(fc1))); then the "perceive" merger: RMSNorm, a 2x2 Conv2d,
 GELU, a 1x1 Conv2d, and the learned tokens transformers concatenates per image, laid out by index here
 (models/token_layout.py): each row of merged tokens closed by a newline token, HunyuanOCR's image between
@@ -24,12 +24,11 @@ from torch import nn
 from models.config import ProcessorConfig
 from models.families.glm4v import MergeConv
 from models.family import Dims, Family, register
-from models.interpolated_positions import half_pixel_metadata
 from models.kernels import ACTIVATIONS
 from models.layers import RMSNorm, check_activation, position_table
 from models.mergers import raster_merge_index
 from models.patches import Conv2dPatches
-from models.positions import resample_float32
+from models.positions import half_pixel_metadata, resample_float32
 from models.protocol import Capacity, Grid, TowerOutput
 from models.token_layout import NewlineGeometry, lay_out
 from models.vit_tower import BlockNames, ViTTower, named_block
@@ -106,7 +105,8 @@ class HunyuanTower(ViTTower):
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
         meta = super().build_metadata(grids, cap)
         meta["patch_order"] = raster_merge_index(grids, self.merge, cap.patches)
-        meta.update(half_pixel_metadata(grids, cap, self.merge, self.side, first=1, offset=self.position_offset))
+        meta.update(half_pixel_metadata(grids, cap, self.merge, self.side, first=1, offset=self.position_offset,
+                                        kernel="interpolate"))
         meta["out_index"] = self.geometry.gather_index(grids, cap)
         return meta
 
