@@ -89,6 +89,13 @@ def torch_linspace_round(start: float, end: float, steps: int) -> np.ndarray:
     return np.round(values).astype(np.int64)
 
 
+def float32_arange_int(end: int, step: float) -> np.ndarray:
+    """`torch.arange(0, end, step).int()` with a float step (float32 values, computed in double on the CPU,
+    truncated): ceil(end / step) values."""
+    count = math.ceil(end / step)
+    return (np.arange(count, dtype=np.float64) * step).astype(np.float32).astype(np.int64)
+
+
 # -- Qwen2-VL / Qwen2.5-VL: qwen-vl-utils ---------------------------------------------------------
 
 
@@ -333,10 +340,8 @@ def ernie_frame_indices(total_frames: int, video_fps: float, *, fps: float | Non
                         num_frames: int | None = None, min_frames: int = 16, max_frames: int = 180) -> np.ndarray:
     """`Ernie4_5_VLMoeVideoProcessor.sample_frames`: `num_frames` (within [min_frames, max_frames]), or the
     clip's frames at `fps` (every frame without one) clamped to [min_frames, max_frames] and the frame count,
-    spread as `torch.arange(0, total, total / n).int()` (torch itself: its float32 steps decide the picks);
-    then an odd count gets its last frame again (the processor repeats the last frame)."""
-    import torch
-
+    spread as `torch.arange(0, total, total / n).int()` (`float32_arange_int`: its float32 steps decide the
+    picks); then an odd count gets its last frame again (the processor repeats the last frame)."""
     if num_frames is not None:
         if not min_frames <= num_frames <= max_frames:
             raise MediaError(reason=f"nframes must be within [{min_frames}, {max_frames}] for this model; "
@@ -347,8 +352,10 @@ def ernie_frame_indices(total_frames: int, video_fps: float, *, fps: float | Non
         n = min(max(n, min_frames), max_frames, total_frames)
     if n > total_frames:
         raise MediaError(reason=f"{n} frames asked of a clip of {total_frames}", code=INVALID_OPTION)
-    indices = torch.arange(0, total_frames, total_frames / n).int().numpy().astype(np.int64)
+    indices = float32_arange_int(total_frames, total_frames / n)
     return np.concatenate([indices, indices[-1:]]) if len(indices) % 2 else indices
+
+
 # -- Hy4: transformers HYV4VLVideoProcessor ------------------------------------------------------
 
 
@@ -386,13 +393,6 @@ def hy4_frame_size(height: int, width: int, num_frames: int, *, factor: int, max
 
 
 # -- VideoLLaMA3: transformers VideoLlama3VideoProcessor ------------------------------------------
-
-
-def float32_arange_int(end: int, step: float) -> np.ndarray:
-    """`torch.arange(0, end, step).int()` with a float step (float32 values, computed in double on the CPU,
-    truncated): ceil(end / step) values."""
-    count = math.ceil(end / step)
-    return (np.arange(count, dtype=np.float64) * step).astype(np.float32).astype(np.int64)
 
 
 def videollama3_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = 1.0,
