@@ -224,22 +224,6 @@ def tower_name(key: str, prefixes: Prefixes, renames: Renames = ()) -> str | Non
     return None
 
 
-def checkpoint_name(name: str, prefixes: Prefixes, renames: Renames = ()) -> str:
-    """The inverse of `tower_name`: tower tensor `name` under the checkpoint names transformers' save_pretrained
-    writes, where the family lists them last (the last plain prefix; a pair mapping onto the tower's prefix
-    of `name`). For writing a tower's weights where transformers reads them."""
-    for old, new in reversed(renames):
-        name = name.replace(new, old)
-    plain = ""
-    for prefix in prefixes:
-        if isinstance(prefix, str):
-            plain = prefix
-    for prefix in reversed(prefixes):
-        if not isinstance(prefix, str) and prefix[1] and name.startswith(prefix[1]):
-            return prefix[0] + name[len(prefix[1]) :]
-    return plain + name
-
-
 def checkpoint_files(folder: Path, prefixes: Prefixes) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():

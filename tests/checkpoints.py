@@ -20,13 +20,12 @@ def visual_of(model):
     return vision_module(model)
 
 
-# transformers' Hy4 takes no sdpa (its text attention's sinks): its vision tower runs the eager path there.
-REFERENCE_ATTENTION = {"hy_v4_vl": "eager"}
-
-
 def reference_model(preset_name: str, seed: int = 0):
-    """transformers' full model for a tiny preset, fp32, seeded random weights, sdpa attention."""
+    """transformers' full model for a tiny preset, fp32, seeded random weights, sdpa attention (or the family's
+    where it has no sdpa)."""
     import transformers
+
+    from service.bench.towers import REFERENCE_ATTENTION
 
     preset = PRESETS[preset_name]
     cfg = full_config(preset)

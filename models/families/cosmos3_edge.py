@@ -44,5 +44,5 @@ COSMOS3_EDGE = register(Family(
            "positions": "antialias", "rotary": False,
            "merger_names": ("norm", "linear_fc1", "linear_fc2"), "merger_eps": 1e-6,
            "merger_hidden": lambda config: config.projector_hidden_size,
-           "reference_image_features": reference_image_features},
+           "reference_features": reference_image_features},
 ))

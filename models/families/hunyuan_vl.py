@@ -124,6 +124,12 @@ def hunyuan_dims(cfg: Any) -> Dims:
                 mlp=cfg.intermediate_size, depth=cfg.num_hidden_layers, out=cfg.text_hidden_size)
 
 
+def reference_features(model: Any, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """transformers' own entry point (the benchmarks' and GPU tests' reference): every image's rows, the merger's
+    learned tokens laid out, back to back."""
+    return torch.cat(list(model.model.get_image_features(pixels, grid_thw).pooler_output))
+
+
 # HunYuanVLImageProcessor's defaults where Qwen2-VL's differ (512x512 to 2048x2048 pixels, 16-pixel patches, one
 # frame), for the keys a checkpoint's preprocessor config leaves out.
 HUNYUAN_IMAGE_DEFAULTS = {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2,
@@ -136,4 +142,5 @@ HUNYUAN_VL = register(Family(
     vllm_embedding_parts=False,
     processor_defaults={"image": HUNYUAN_IMAGE_DEFAULTS},
     hf_class="HunYuanVLForConditionalGeneration", tower=HunyuanTower,
+    extra={"reference_features": reference_features},
 ))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.hunyuan_vl import HUNYUAN_IMAGE_DEFAULTS, HUNYUAN_VL
+from models.families.hunyuan_vl import HUNYUAN_IMAGE_DEFAULTS, HUNYUAN_VL, reference_features
 from models.family import Dims, register
 
 
@@ -26,5 +26,5 @@ HY_V4_VL = register(HUNYUAN_VL.derive(
                                   "min_frames": 2, "max_frames": 1024, "image_mean": [0.5, 0.5, 0.5],
                                   "image_std": [0.5, 0.5, 0.5], "max_image_size": {"longest_edge": 1024 * 1024},
                                   "size": {"shortest_edge": 4096, "longest_edge": 33554432}}},
-    extra={"text_tokens": False, "position_offset": 0.1},
+    extra={"text_tokens": False, "position_offset": 0.1, "reference_features": reference_features},
 ))

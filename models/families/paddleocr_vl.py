@@ -42,5 +42,5 @@ PADDLEOCR_VL = register(Family(
     extra={"patch_embedding": "conv2d", "position_side": lambda v: v.image_size // v.patch_size,
            "positions": "half_pixel", "rotary": True,
            "merger_names": ("pre_norm", "linear_1", "linear_2"), "merger_eps": 1e-5,
-           "reference_image_features": reference_image_features},
+           "reference_features": reference_image_features},
 ))

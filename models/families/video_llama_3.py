@@ -97,6 +97,13 @@ def videollama3_dims(cfg: Any) -> Dims:
                 mlp=v.intermediate_size, depth=v.num_hidden_layers, out=cfg.text_config.hidden_size)
 
 
+def reference_features(model: Any, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """transformers' own entry point on images (the benchmarks' and GPU tests' reference), which it does not
+    merge: every image's rows back to back."""
+    merges = torch.ones(len(grid_thw), dtype=torch.long, device=grid_thw.device)
+    return torch.cat(list(model.model.get_image_features(pixels, grid_thw, image_merge_sizes=merges).pooler_output))
+
+
 VIDEO_LLAMA_3 = register(Family(
     "video_llama_3", "VideoLLaMA3", config_path=(),
     prefixes=("model.vision_model.", "model.projector.", "vision_model.", "projector."), dims=videollama3_dims,
@@ -109,4 +116,5 @@ VIDEO_LLAMA_3 = register(Family(
                                   "image_std": [0.5, 0.5, 0.5],
                                   "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}}},
     hf_class="VideoLlama3ForConditionalGeneration", tower=VideoLlama3Tower,
+    extra={"reference_features": reference_features},
 ))
