@@ -49,6 +49,9 @@ class TemporalPairGeometry(Geometry):
         units = cap.patches // self.merge_unit
         return units if cap.modality == "image" else units // 2
 
+    def describe(self) -> str:
+        return f"max(floor(t/2),1)*h*w/{self.merge_unit}"
+
     @property
     def splits_over_time(self) -> bool:
         # a chunk boundary could fall inside a pair of frames

@@ -54,6 +54,9 @@ class ChunkedClipGeometry(Geometry):
         t, h, w = grid
         return math.ceil(t / self.chunk) * h * w // self.merge_unit
 
+    def describe(self) -> str:
+        return f"ceil(t/{self.chunk})*h*w/{self.merge_unit}"
+
 
 def kimi_dims(config: Any) -> Dims:
     """From the whole model's config: the tokens are as wide as the text model."""
