@@ -66,10 +66,13 @@ def kimi_dims(config: Any) -> Dims:
 
 
 def sinusoid_table(frames: int, dim: int) -> torch.Tensor:
-    """[frames + 1, dim] float32: a zero row (single frames get no time term), then sin | cos of each frame."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    freqs = torch.outer(torch.arange(frames, dtype=torch.float32), inv_freq)
-    return torch.cat([torch.zeros(1, dim), torch.cat([freqs.sin(), freqs.cos()], dim=1)])
+    """[frames + 1, dim] float32: a zero row (single frames get no time term), then sin | cos of each frame. On
+    the CPU whatever the default device (on the meta device torch runs these as Python references, whose first
+    call imports torch._dynamo)."""
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
+    freqs = torch.outer(torch.arange(frames, dtype=torch.float32, device=cpu), inv_freq)
+    return torch.cat([torch.zeros(1, dim, device=cpu), torch.cat([freqs.sin(), freqs.cos()], dim=1)])
 
 
 def time_index(grids: Sequence[Grid], patches: int, chunk: int) -> np.ndarray:
