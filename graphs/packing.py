@@ -25,7 +25,7 @@ from models.protocol import Geometry, Grid
 
 @dataclass(frozen=True)
 class PackItem:
-    tokens: int  # budget units: patches / merge_unit
+    tokens: int  # budget units: patches / merge_unit, rounded up (Geometry.units)
     modality: str = "image"
     segments: int = 1  # attention segments (one per temporal patch, or one for a whole clip)
     segment_patches: int = 0  # patches of the longest segment
@@ -33,9 +33,8 @@ class PackItem:
 
     @classmethod
     def of(cls, grid: Grid, modality: str, geometry: Geometry) -> PackItem:
-        t, h, w = grid
         lengths = geometry.segment_lengths(grid)
-        return cls(t * h * w // geometry.merge_unit, modality, len(lengths), max(lengths), t)
+        return cls(geometry.units(grid), modality, len(lengths), max(lengths), grid[0])
 
 
 @dataclass
@@ -75,6 +74,8 @@ def eager_reason(item: PackItem, plan: BudgetPlan) -> str | None:
         return "t_capture"
     if plan.length_class(item.segment_patches) not in plan.length_classes(plan.max_budget):
         return "segment_too_long"
+    if item.segments > plan.max_segments(item.modality):  # a clip cut into more attention segments than a slot
+        return "too_many_segments"
     return None
 
 

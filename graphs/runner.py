@@ -202,7 +202,7 @@ class GraphRunner:
 
     def chunkable(self, item: VisualInput) -> bool:
         t, h, w = item.grid_thw
-        chunk_tokens = min(t, self.plan.t_capture) * h * w // self.plan.merge_unit
+        chunk_tokens = self.tower.geometry.units((min(t, self.plan.t_capture), h, w))
         return (self.video_chunking and self.use_graphs and item.modality == "video" and t > 1
                 and self.tower.geometry.splits_over_time and chunk_tokens <= self.plan.max_budget)
 

@@ -31,6 +31,14 @@ class VideoConfig:
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)  # qwen-vl-utils 0.0.14 default (VIDEO_TOTAL_PIXELS)
     processor_class: str = ""  # the checkpoint's `video_processor_type`, where it names one
+    # A font file to draw each frame's time on it before resizing (ERNIE-4.5-VL's `draw_on_frames`); "": none.
+    timestamp_font: str = ""
+    # Where a family's video processor differs from its image processor (VideoLLaMA3 merges videos 2x2 and images
+    # not at all; Hy4's normalises videos with other statistics): 0 / None take the image processor's.
+    merge_size: int = 0
+    frame_pixels: int = 0  # the video processor's own cap on a frame's pixels (Hy4's max_image_size); 0: none
+    image_mean: tuple[float, float, float] | None = None
+    image_std: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,15 @@ class ProcessorConfig:
     def factor(self) -> int:
         """Side lengths are resized to multiples of this (one merged token's edge in pixels)."""
         return self.patch_size * self.merge_size
+
+    @property
+    def video_merge_size(self) -> int:
+        return self.video.merge_size or self.merge_size
+
+    @property
+    def video_factor(self) -> int:
+        """A video frame's sides are resized to multiples of this."""
+        return self.patch_size * self.video_merge_size
 
     @property
     def patch_dim(self) -> int:
@@ -93,8 +110,11 @@ class ProcessorConfig:
         rows: dict[str, Any] = {}
         if spec is not None:
             rows = {"patch_layout": spec.patch_layout, "patch_order": spec.patch_order}
-            image = {**spec.processor_defaults, **image}
-            video = None if video is None else {**spec.processor_defaults, **video}
+            defaults = spec.processor_defaults
+            image = {**defaults.get("image", {}), **image}
+            if not isinstance(image.get("size") or {}, dict):  # MiniMax-M3's release: [672, 672], which its
+                image["size"] = defaults.get("image", {}).get("size", {})  # processor replaces by its default
+            video = None if video is None else {**defaults.get("video", {}), **video}
         size = image.get("size") or {}
         min_pixels = image.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels
         max_pixels = image.get("max_pixels") or size.get("longest_edge") or cls.max_pixels
@@ -109,6 +129,10 @@ class ProcessorConfig:
                 max_pixels=int(video.get("max_pixels") or vsize.get("longest_edge") or video_cfg.max_pixels),
                 total_pixels=int(video.get("total_pixels", video_cfg.total_pixels)),
                 processor_class=str(video.get("video_processor_type") or ""),
+                timestamp_font=str(video.get("font") or "") if video.get("draw_on_frames") else "",
+                merge_size=int(video.get("merge_size") or 0),
+                frame_pixels=int((video.get("max_image_size") or {}).get("longest_edge", 0)),
+                **_video_statistics(image, video),
             )
         return cls(
             family=family,
@@ -123,6 +147,16 @@ class ProcessorConfig:
             video=video_cfg,
             **rows,
         )
+
+
+def _video_statistics(image: dict[str, Any], video: dict[str, Any]) -> dict[str, Any]:
+    """The video processor's mean and std where they differ from the image processor's."""
+    out = {}
+    for key in ("image_mean", "image_std"):
+        default = OPENAI_CLIP_MEAN if key == "image_mean" else OPENAI_CLIP_STD
+        if key in video and tuple(video[key]) != tuple(image.get(key, default)):
+            out[key] = tuple(video[key])
+    return out
 
 
 @dataclass

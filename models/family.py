@@ -68,9 +68,9 @@ class Family:
     # Preprocessing and hand-off.
     # How images are sized: Qwen2VLImageProcessor's smart_resize (bounds on H*W) or Glm4vImageProcessor's
     # (an image is a clip of temporal_patch_size frames: bounds on T*H*W). Videos: qwen-vl-utils' rules,
-    # Qwen3VLVideoProcessor's or Glm4vVideoProcessor's (service/media/video_sampling.py).
+    # Qwen3VLVideoProcessor's, Glm4vVideoProcessor's or the family's own (service/media/video_sampling.py).
     image_sizing: Literal["qwen2", "glm4v"] = "qwen2"
-    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v"] = "qwen2"
+    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v", "minimax", "ernie"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # The seconds each temporal grid step spans, in vLLM 0.33's M-RoPE for video embeddings: its parser takes
@@ -81,11 +81,16 @@ class Family:
     vllm_video_seconds: float | None = None
     # transformers' image processor class whose output the server reproduces (the reference in tests)
     image_processor: str = "Qwen2VLImageProcessor"
-    # How that processor lays out pixel rows (models/config.py ProcessorConfig.patch_layout / patch_order), and
-    # the defaults its class holds for patch, merge and normalisation keys a preprocessor_config.json may omit.
+    # How that processor lays out pixel rows (models/config.py ProcessorConfig.patch_layout / patch_order): an
+    # item's rows in "block" order (each merge block's patches contiguous, Qwen-VL's) or "raster" (row by row,
+    # however the tower merges: PaddleOCR-VL, HunyuanOCR, Hy4).
     patch_layout: Literal["chw", "hwc"] = "chw"
     patch_order: Literal["block", "raster"] = "block"
-    processor_defaults: dict[str, Any] = field(default_factory=dict)
+    # The defaults the family's processor classes hold where they differ from Qwen2-VL's, for the keys a
+    # checkpoint's processor configs leave out: {"image": {...}, "video": {...}} (the image processor's and the
+    # video processor's, e.g. VideoLLaMA3's images are not merged; ProcessorConfig.from_dicts puts them under
+    # what a config says).
+    processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
     # none, so its hand-off part keeps the media and names the cached encoder output by uuid.
     vllm_embedding_parts: bool = True
@@ -97,6 +102,15 @@ class Family:
     # The tower class; a family with parts of its own gives a subclass of models.tower.QwenTower.
     tower: Any = None
     extra: dict[str, Any] = field(default_factory=dict)  # what a family's own tower class reads
+    # What the tower reads from the whole model's config beyond its vision config (the text width of a
+    # projector, a setting the vision config leaves implicit): attribute name -> function of the whole config.
+    vision_extras: dict[str, Callable[[Any], Any]] = field(default_factory=dict)
+    # How images are resized: "pil" (PIL bicubic on uint8, as the *ImageProcessorPil classes) or "torch"
+    # (torchvision's bicubic with antialias on uint8 tensors, as the processors that exist only with torchvision).
+    image_resize: Literal["pil", "torch"] = "pil"
+    # The same for video frames: transformers' video processors all resize with torchvision; "pil" is the
+    # Qwen-VL families' close approximation (docs/video.md), "torch" that exact kernel.
+    video_resize: Literal["pil", "torch"] = "pil"
 
     def derive(self, **changes: Any) -> Family:
         """This family with `changes`: how a relative is described."""
@@ -104,8 +118,11 @@ class Family:
 
     def vision_config(self, config: Any) -> Any:
         """The vision config inside a whole model's config (nested: `thinker_config.vision_config`)."""
+        whole = config
         for name in self.config_path:
             config = getattr(config, name)
+        if self.vision_extras:
+            config = ConfigView(config, **{name: read(whole) for name, read in self.vision_extras.items()})
         return config
 
 

@@ -124,6 +124,9 @@ def rotary_triton(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotated = cos.shape[-1]
+    if rotated < qk.shape[-1]:  # a partial rotary (models.rotary): the tail of each head passes through
+        return torch.cat([apply_rotary(qk[..., :rotated], cos, sin), qk[..., rotated:]], dim=-1)
     if _use("rotary", qk) and qk.stride(-1) == 1 and qk.stride(2) == qk.shape[-1] \
             and qk.stride(1) == qk.shape[-1] * qk.shape[-2]:
         return rotary_triton(qk, cos, sin)

@@ -1,4 +1,4 @@
-"""The Kimi-style vision block and patch embeddings (Kimi-K2.x, Muse), built from the shared layers.
+"""The Kimi-style vision block (Kimi-K2.x, Muse), built from the shared layers.
 
 A block: LayerNorm (eps 1e-5) -> attention over packed segments (biased q, k, v and output projections,
 axial rotary) -> residual -> LayerNorm -> Linear, activation, Linear -> residual. Two checkpoint layouts:
@@ -6,10 +6,8 @@ axial rotary) -> residual -> LayerNorm -> Linear, activation, Linear -> residual
 `k_proj` / `v_proj` fused into one GEMM after loading, `proj`, `norm2`, `mlp.fc1` / `fc2`) and
 `PairwiseRotaryBlock` (Kimi-K2.x as released: `norm0`, `wqkv`, `wo`, `norm1`, `mlp.fc0` / `fc1`).
 
-Patch embeddings take vitserve's uint8 rows (channel, temporal, patch row, patch column):
-`Conv2dPatchEmbed` is a Conv2d whose kernel equals its stride (one frame a patch); `LinearPatchEmbed` is a
-Linear over rows the reference lays out (temporal, channel, ...): a copy of its weight with the columns in
-vitserve's layout is made once after loading (the checkpoint's parameter stays as it is).
+Their patch embeddings are models/patches.py's (a Conv2d over one frame; Muse's Linear, whose checkpoint
+columns run (temporal, channel, pixels), reordered once after loading).
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import Attention, Block, Mlp, PatchEmbed
+from models.layers import Attention, Block, Mlp
 
 KIMI_NORM_EPS = 1e-5  # the blocks' LayerNorms
 
@@ -58,36 +56,6 @@ class ProjAttention(Attention):
 def kimi_block(dim: int, heads: int, mlp: int, act: str, backend: str, eps: float = KIMI_NORM_EPS) -> Block:
     return Block(nn.LayerNorm(dim, eps=eps), nn.LayerNorm(dim, eps=eps), ProjAttention(dim, heads, backend),
                  Mlp(dim, mlp, act))
-
-
-class Conv2dPatchEmbed(PatchEmbed):
-    """The checkpoint's `proj` Conv2d (kernel = stride = patch), one matrix product per patch row."""
-
-    def __init__(self, channels: int, patch: int, embed_dim: int, bias: bool = True) -> None:
-        nn.Module.__init__(self)
-        self.proj = nn.Conv2d(channels, embed_dim, kernel_size=patch, stride=patch, bias=bias)
-
-
-class LinearPatchEmbed(nn.Module):
-    """A Linear patch embedding whose checkpoint columns run (temporal, channel, pixels); `fuse` stores the
-    weight with columns (channel, temporal, pixels), vitserve's row layout."""
-
-    def __init__(self, in_dim: int, embed_dim: int, channels: int, temporal: int, bias: bool = False) -> None:
-        super().__init__()
-        self.shape = (temporal, channels, in_dim // (temporal * channels))
-        self.patch_embedding = nn.Linear(in_dim, embed_dim, bias=bias)
-        self.register_buffer("fused_weight", None, persistent=False)
-
-    def fuse(self) -> None:
-        self.fused_weight = self.ours(self.patch_embedding.weight.data)
-
-    def ours(self, w: torch.Tensor) -> torch.Tensor:
-        """[out, (T, C, pixels)] -> [out, (C, T, pixels)]."""
-        return w.view(w.shape[0], *self.shape).transpose(1, 2).reshape(w.shape[0], -1).contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.fused_weight if self.fused_weight is not None else self.ours(self.patch_embedding.weight)
-        return F.linear(x.to(weight.dtype), weight, self.patch_embedding.bias)
 
 
 class PairwiseRotaryBlock(Attention):

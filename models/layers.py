@@ -298,16 +298,3 @@ class Normalize(nn.Module):
             return pixels  # already normalised (reference inputs, benchmarks)
         return (pixels.float() * self.rescale - self.mean) / self.std
 
-
-class Conv2dPatchEmbed(nn.Module):
-    """The checkpoint's Conv2d whose kernel equals its stride, over single-frame patch rows (C, P, P): one
-    matrix product per row, then `norm` where the tower normalises the patches (dots3-note's RMSNorm)."""
-
-    def __init__(self, channels: int, patch: int, dim: int, bias: bool = True, norm: nn.Module | None = None) -> None:
-        super().__init__()
-        self.proj = nn.Conv2d(channels, dim, kernel_size=patch, stride=patch, bias=bias)
-        self.norm = norm if norm is not None else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
-        return self.norm(F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,10 @@ def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
         processor = processor_config_from_folder(folder, family)
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{folder}: a preprocessor config cannot be read: {_one_line(exc)}") from None
+    font = processor.video.timestamp_font
+    if font and not Path(font).is_file():  # as transformers, which cannot load such a video processor
+        raise CheckpointError(f"{folder}: the video processor draws timestamps with the font {Path(font).name!r}, "
+                              "which is not in the folder")
     return family, vision_config, processor
 
 
@@ -299,7 +304,11 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":
         video = image
-    return family_processor_config(family, image, video)
+    processor = family_processor_config(family, image, video)
+    font = processor.video.timestamp_font
+    if font:  # the font ships beside the configs (ERNIE-4.5-VL)
+        processor = replace(processor, video=replace(processor.video, timestamp_font=str(folder / font)))
+    return processor
 
 
 def family_processor_config(family: str, image: dict[str, Any], video: dict[str, Any] | None) -> ProcessorConfig:

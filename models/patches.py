@@ -3,8 +3,12 @@ as one matrix product.
 
 A row holds one patch's values in its processor's order (models/config.py `patch_layout`: "chw" or "hwc"),
 and a checkpoint's weight reads its inputs in an order of its own: a Conv2d's is (channel, row, col), a
-Linear's that of the processor it was trained with. Where the two differ, the weight's columns are permuted
-once after loading, never the pixels.
+Linear's that of the processor it was trained with ("tchw": temporal first, as Muse's). Where the two differ,
+the weight's columns are permuted once after loading (`fuse`), never the pixels.
+
+`PatchProjection` holds either under the checkpoint's `proj` name, with the norm a tower puts after it (the
+Qwen-VL Conv3d is models.layers.PatchEmbed). A kernel of 1 makes `Conv2dPatches` a 1x1 convolution over
+token rows.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # The axes of a row in each layout: channel, temporal, patch row, patch column.
-LAYOUT_AXES = {"chw": "ctyx", "hwc": "yxct"}
+LAYOUT_AXES = {"chw": "ctyx", "hwc": "yxct", "tchw": "tcyx"}
 
 
 def columns_in_row_order(weight: torch.Tensor, weight_layout: str, row_layout: str, sizes: dict[str, int]
@@ -44,6 +48,10 @@ class _RowProduct:
         return columns_in_row_order(self.weight.reshape(self.weight.shape[0], -1), self.weight_layout, self.rows,
                                     self.sizes)
 
+    def keep_flat(self) -> None:
+        """`flat` as a buffer outside the state dict, so that it moves with the module."""
+        self.register_buffer("flat", None, persistent=False)  # type: ignore[attr-defined]
+
     def fuse(self) -> None:
         """After loading: keep a reordered copy when the weight's order is not the rows' (a few MB at most)."""
         self.flat = None
@@ -61,7 +69,8 @@ class Conv2dPatches(_RowProduct, nn.Conv2d):
 
     def __init__(self, channels: int, dim: int, patch: int, rows: str = "chw", bias: bool = True) -> None:
         nn.Conv2d.__init__(self, channels, dim, kernel_size=patch, stride=patch, bias=bias)
-        self.rows, self.weight_layout, self.flat = rows, "chw", None
+        self.rows, self.weight_layout = rows, "chw"
+        self.keep_flat()
         self.sizes = {"c": channels, "t": 1, "y": patch, "x": patch}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,8 +83,22 @@ class LinearPatches(_RowProduct, nn.Linear):
     def __init__(self, channels: int, temporal: int, patch: int, dim: int, weight_layout: str, rows: str,
                  bias: bool = True) -> None:
         nn.Linear.__init__(self, channels * temporal * patch * patch, dim, bias=bias)
-        self.rows, self.weight_layout, self.flat = rows, weight_layout, None
+        self.rows, self.weight_layout = rows, weight_layout
+        self.keep_flat()
         self.sizes = {"c": channels, "t": temporal, "y": patch, "x": patch}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
+
+
+class PatchProjection(nn.Module):
+    """A patch embedding under the checkpoint's `proj` name, then `norm` where the tower normalises the patches
+    (dots3-note's RMSNorm)."""
+
+    def __init__(self, proj: Conv2dPatches | LinearPatches, norm: nn.Module | None = None) -> None:
+        super().__init__()
+        self.proj = proj
+        self.norm = norm if norm is not None else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))

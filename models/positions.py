@@ -3,11 +3,11 @@
 A square table of `side` x `side` embeddings is resampled to each frame's patch grid: bilinearly with
 align_corners=True (Qwen3-VL), or bicubically at the patch centres with align_corners=False and the
 border clamped (GLM-4.1V: transformers' `grid_sample(mode="bicubic")`), bilinearly at the patch centres
-(PaddleOCR-VL), or with F.interpolate's antialiased bilinear (Cosmos3-Edge, SigLIP2). The resampling is
-metadata: table indices and weights per patch (4, or 16 for bicubic), or for the antialiased kind dense
-row and column weights, built on the CPU in float32 in the rows' order (merge blocks, or row-major with a
-merge of 1), so the device does one weighted gather (or one product) and a graph replays it from static
-buffers.
+(PaddleOCR-VL; HunyuanOCR and Hy4, whose tables follow a class row), or with F.interpolate's antialiased
+bilinear (Cosmos3-Edge, SigLIP2). The resampling is metadata: table indices and weights per patch (4, or 16
+for bicubic), or for the antialiased kind dense row and column weights, built on the CPU in float32 in the
+rows' order (merge blocks, or row-major with a merge of 1), so the device does one weighted gather (or one
+product) and a graph replays it from static buffers.
 """
 
 from __future__ import annotations
@@ -120,10 +120,15 @@ def resample_float32(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torc
     return F.embedding_bag(meta["interp_idx"], table.float(), per_sample_weights=meta["interp_w"], mode="sum")
 
 
-# ---- bilinear at patch centres, align_corners=False (PaddleOCR-VL) ----------------------------------
+# ---- bilinear at patch centres, align_corners=False (PaddleOCR-VL, HunyuanOCR, Hy4) ----------------
+#
+# Two references compute the same half-pixel taps in their own float32 arithmetic, and each is reproduced
+# exactly: transformers' packed helper `get_vision_interpolation_indices_and_weights` (PaddleOCR-VL), and
+# F.interpolate(mode="bilinear", align_corners=False) itself (HunyuanOCR, Hy4), which can also sample by a
+# scale factor. A table may have leading rows the grid does not use (`first`: a class token's).
 
 
-def _half_pixel_axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+def _helper_axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
     """Two table indices and weights per position along one axis: the patch centre (index + 0.5) * side / size
     - 0.5 in float32, in that order as transformers' `get_vision_interpolation_indices_and_weights` computes
     it, taps clamped to the border (a centre before the first cell reads the first cell twice)."""
@@ -135,21 +140,53 @@ def _half_pixel_axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.n
     return np.clip(taps, 0, side - 1), weights.astype(np.float32)
 
 
+def _interpolate_axis_taps(index: np.ndarray, size: int, side: int, offset: float | None = None
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """The same as PyTorch's bilinear upsampling computes it in float32 (`area_pixel_compute_source_index`:
+    src = step * (i + 0.5) - 0.5, negative values clamped to 0; the second tap stays at the border), the step
+    side / size (`interpolate(size=...)`) or, with `offset`, the reciprocal of the scale factor
+    (size + offset) / side (`interpolate(scale_factor=...)`, Hy4). An axis as long as the table's is copied as
+    it is, whatever the scale factor (PyTorch's kernel does so)."""
+    if size == side:
+        copy = index.astype(np.int64)
+        ones = np.ones(len(index), np.float32)
+        return np.stack([copy, copy], axis=1), np.stack([ones, 0 * ones], axis=1)
+    if offset is None:
+        step = np.float32(side) / np.float32(size)
+    else:
+        step = np.float32(1.0 / ((size + offset) / side))  # the scale factor's reciprocal, in double, then float
+    src = np.maximum(step * (index.astype(np.float32) + np.float32(0.5)) - np.float32(0.5), np.float32(0))
+    low = np.minimum(np.floor(src).astype(np.int64), side - 1)
+    frac = np.clip(src - low.astype(np.float32), np.float32(0), np.float32(1))
+    high = np.minimum(low + 1, side - 1)
+    return np.stack([low, high], axis=1), np.stack([np.float32(1) - frac, frac], axis=1).astype(np.float32)
+
+
 @lru_cache(maxsize=GRID_CACHE_SIZE)
-def half_pixel_frame_taps(h: int, w: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+def half_pixel_frame_taps(h: int, w: int, merge: int, side: int, first: int = 0, offset: float | None = None,
+                          kernel: str = "helper") -> tuple[np.ndarray, np.ndarray]:
     """Table indices and weights [h*w, 4] of one frame's patches for bilinear resampling with
-    align_corners=False, in merge-block order (merge 1: row-major) (read-only)."""
+    align_corners=False, in merge-block order (merge 1: row-major) (read-only). `kernel`: "helper" or
+    "interpolate", whose arithmetic is reproduced (above); `offset` is the latter's."""
     pos = block_order_positions(h, w, merge)
-    row_taps, row_w = _half_pixel_axis_taps(pos[:, 0], h, side)
-    col_taps, col_w = _half_pixel_axis_taps(pos[:, 1], w, side)
-    idx = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
+    if kernel == "helper":
+        if offset is not None:
+            raise ValueError("transformers' helper samples by size only: no offset")
+        row_taps, row_w = _helper_axis_taps(pos[:, 0], h, side)
+        col_taps, col_w = _helper_axis_taps(pos[:, 1], w, side)
+    else:
+        row_taps, row_w = _interpolate_axis_taps(pos[:, 0], h, side, offset)
+        col_taps, col_w = _interpolate_axis_taps(pos[:, 1], w, side, offset)
+    idx = first + (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
     wts = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4)
     return frozen(idx), frozen(wts)
 
 
-def half_pixel_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int) -> dict[str, np.ndarray]:
-    """interp_idx / interp_w [patches, 4] (read by `resample`)."""
-    return tap_metadata(grids, cap, 4, lambda h, w: half_pixel_frame_taps(h, w, merge, side))
+def half_pixel_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: int, first: int = 0,
+                        offset: float | None = None, kernel: str = "helper") -> dict[str, np.ndarray]:
+    """interp_idx / interp_w [patches, 4] (read by `resample` and `resample_float32`; frames of a video repeat
+    their frame's positions, padding rows read row 0 with weight 0)."""
+    return tap_metadata(grids, cap, 4, lambda h, w: half_pixel_frame_taps(h, w, merge, side, first, offset, kernel))
 
 
 # ---- antialiased bilinear (Cosmos3-Edge, SigLIP2) --------------------------------------------------

@@ -72,6 +72,61 @@ COSMOS3_EDGE_VIDEO_PRE = {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 64 * 64,
                           "fps": 2, "min_frames": 4, "max_frames": 768}
 
 
+# ERNIE-4.5-VL: Ernie4_5_VLMoeImageProcessorPil's defaults (one frame per patch row).
+ERNIE_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 1,
+             "size": {"shortest_edge": 3136, "longest_edge": 28 * 28 * 6177}}
+# Ernie4_5_VLMoeVideoProcessor's defaults but for the timestamps it draws (presets ship no font).
+ERNIE_VIDEO_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "fps": 0, "min_frames": 16,
+                   "max_frames": 180, "draw_on_frames": False,
+                   "size": {"shortest_edge": 299 * 28 * 28, "longest_edge": 1196 * 28 * 28}}
+# `out_hidden_size` of the ERNIE and MiniMax presets is the text width (their projectors' output), and
+# MiniMax's `projector_hidden_size` the projector's: both live outside the vision config (see full_config).
+ERNIE_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=5120, num_heads=16, patch_size=14,
+                       hidden_act="quick_gelu", out_hidden_size=2560)
+# MiniMax-M3: MiniMaxM3VLImageProcessor's defaults.
+MINIMAX_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+               "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 451584}}
+MINIMAX_VIDEO_PRE = {**MINIMAX_PRE, "fps": 1.0, "min_pixels": 4 * 28 * 28, "max_pixels": 768 * 28 * 28,
+                     "min_frames": 4, "max_frames": 768}
+MINIMAX_M3_VISION = dict(num_hidden_layers=32, hidden_size=1280, intermediate_size=5120, num_attention_heads=16,
+                         patch_size=14, temporal_patch_size=2, hidden_act="gelu", out_hidden_size=6144,
+                         projector_hidden_size=6144)
+# The settings above that are not the vision config's.
+OUTSIDE_VISION = ("out_hidden_size", "projector_hidden_size")
+
+
+# HunyuanOCR's and Hy4's vision configs (HunYuanVLVisionConfig's, HYV4VLVisionConfig's defaults) and processors
+# (their image processors' defaults: 512x512 to 2048x2048 pixels, CLIP statistics, rows in raster order); Hy4's
+# video processor's (a clip budget of 32 Mi pixels, 1 Mi per frame, 0.5 statistics, 2 fps).
+HUNYUAN_OCR_VISION = dict(num_hidden_layers=27, hidden_size=1152, intermediate_size=4304, num_attention_heads=16,
+                          patch_size=16, spatial_merge_size=2, max_image_size=2048, hidden_act="gelu")
+HY4_VISION = dict(num_hidden_layers=40, hidden_size=1536, intermediate_size=6144, num_attention_heads=16,
+                  out_hidden_size=6144, patch_size=16, spatial_merge_size=2, max_image_size=2048, hidden_act="gelu")
+HUNYUAN_PRE = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 1,
+               "size": {"shortest_edge": 512 * 512, "longest_edge": 2048 * 2048}}
+HY4_VIDEO_PRE = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 1, "image_mean": [0.5, 0.5, 0.5],
+                 "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 4096, "longest_edge": 33554432},
+                 "max_image_size": {"longest_edge": 1024 * 1024}, "fps": 2, "min_frames": 2, "max_frames": 1024}
+# VideoLLaMA3-7B's vision encoder (SigLIP so400m at patch 14) and its processors: images not merged (merge 1,
+# sides multiples of 14), videos merged 2x2 (sides multiples of 28, the clip budget shared by its frames).
+VIDEOLLAMA3_VISION = dict(num_hidden_layers=27, hidden_size=1152, intermediate_size=4304, num_attention_heads=16,
+                          patch_size=14)
+VIDEOLLAMA3_PRE = {"patch_size": 14, "merge_size": 1, "temporal_patch_size": 1, "image_mean": [0.5, 0.5, 0.5],
+                   "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}}
+VIDEOLLAMA3_VIDEO_PRE = {**VIDEOLLAMA3_PRE, "merge_size": 2, "fps": 1, "min_frames": 4, "max_frames": 180,
+                         "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}}
+TINY_HUNYUAN = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, patch_size=16,
+                    max_image_size=128)
+TINY_HUNYUAN_PRE = {**HUNYUAN_PRE, "size": {"shortest_edge": 64 * 64, "longest_edge": 512 * 512}}
+TINY_HY4_VIDEO_PRE = {**HY4_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 8 * 256 * 256},
+                      "max_image_size": {"longest_edge": 256 * 256}}
+TINY_VIDEOLLAMA3 = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        patch_size=14)
+TINY_VIDEOLLAMA3_PRE = {**VIDEOLLAMA3_PRE, "size": {"shortest_edge": 56 * 56, "longest_edge": 14 * 14 * 1024}}
+TINY_VIDEOLLAMA3_VIDEO_PRE = {**VIDEOLLAMA3_VIDEO_PRE, "size": {"shortest_edge": 28 * 28 * 4,
+                                                                "longest_edge": 28 * 28 * 1024}}
+
+
 @dataclass(frozen=True)
 class Preset:
     family: str  # transformers model_type of the full model
@@ -244,6 +299,32 @@ PRESETS: dict[str, Preset] = {
         {**COSMOS3_EDGE_PRE, "size": {"shortest_edge": 4096, "longest_edge": 524288}},
         {**COSMOS3_EDGE_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 2097152}},
     ),
+    # ERNIE-4.5-VL-28B-A3B's vision config (the transformers defaults), its text width as the output width.
+    "random:ernie-4.5-vl-28b-a3b": Preset("ernie4_5_vl_moe", ERNIE_VL_VISION, ERNIE_PRE, ERNIE_VIDEO_PRE),
+    "tiny-ernie4.5-vl-moe": Preset(
+        "ernie4_5_vl_moe",
+        dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=80),
+        {**ERNIE_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+        {**ERNIE_VIDEO_PRE, "size": {"shortest_edge": 3136, "longest_edge": 200704}},
+    ),
+    # MiniMax-M3's vision config (the transformers defaults), its projector and text widths.
+    "random:minimax-m3": Preset("minimax_m3_vl", MINIMAX_M3_VISION, MINIMAX_PRE, MINIMAX_VIDEO_PRE),
+    "tiny-minimax-m3": Preset(
+        "minimax_m3_vl",
+        dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+             out_hidden_size=80, projector_hidden_size=48),
+        {**MINIMAX_PRE, "size": {"shortest_edge": 3136, "longest_edge": 1003520}},
+        {**MINIMAX_VIDEO_PRE, "max_pixels": 200704},
+    ),
+    "random:hunyuan-ocr": Preset("hunyuan_vl", HUNYUAN_OCR_VISION, HUNYUAN_PRE, text={"hidden_size": 3072}),
+    "random:hy4": Preset("hy_v4_vl", HY4_VISION, HUNYUAN_PRE, HY4_VIDEO_PRE),
+    "random:videollama3-7b": Preset("video_llama_3", VIDEOLLAMA3_VISION, VIDEOLLAMA3_PRE, VIDEOLLAMA3_VIDEO_PRE,
+                                    text={"hidden_size": 3584}),
+    # 8x8 position tables (128 px / 16 px), so test grids are both larger and smaller than them.
+    "tiny-hunyuan-vl": Preset("hunyuan_vl", TINY_HUNYUAN, TINY_HUNYUAN_PRE, text={"hidden_size": 48}),
+    "tiny-hy4": Preset("hy_v4_vl", {**TINY_HUNYUAN, "out_hidden_size": 48}, TINY_HUNYUAN_PRE, TINY_HY4_VIDEO_PRE),
+    "tiny-videollama3": Preset("video_llama_3", TINY_VIDEOLLAMA3, TINY_VIDEOLLAMA3_PRE, TINY_VIDEOLLAMA3_VIDEO_PRE,
+                               text={"hidden_size": 48}),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -288,6 +369,10 @@ def full_config(preset: Preset):
             text.update(head_dim=16, rope_parameters={**rope, "mrope_section": [4, 2, 2]})
         return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text, bos_token_id=None,
                                     eos_token_id=None, **top)
+    if family in ("ernie4_5_vl_moe", "minimax_m3_vl"):
+        return _projected_config(preset, text)
+    if family in ("hunyuan_vl", "hy_v4_vl", "video_llama_3"):
+        return _text_and_vision_config(preset, text)
     if family in ("qwen2_5_omni", "qwen3_omni_moe"):
         audio = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
                      output_dim=64, n_window=4, max_source_positions=64)
@@ -346,9 +431,49 @@ def dots3_config(preset: Preset):
                                 **(preset.outer or {}))
 
 
+def _text_and_vision_config(preset: Preset, text: dict[str, Any]):
+    """HunyuanOCR, Hy4 and VideoLLaMA3: their own text models' configs, as small."""
+    from transformers import AutoConfig
+
+    text = {k: v for k, v in text.items() if k != "rope_parameters"}
+    heads = text["num_attention_heads"]
+    if preset.family == "hunyuan_vl":
+        text["head_dim"] = text["hidden_size"] // heads
+    elif preset.family == "hy_v4_vl":  # a tiny mixture with latent attention: the text part is never run
+        text.update(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=32,
+                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, index_topk=8,
+                    index_head_dim=16, index_n_heads=2, hc_mult=2, pad_token_id=None, num_hidden_layers=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    else:
+        text["model_type"] = "qwen2"
+    return AutoConfig.for_model(preset.family, vision_config=preset.vision, text_config=text)
+
+
 # What `vitserve bench` runs by default, and the other families' presets it names in its help (`--models`
 # takes any `random:` preset above).
 BENCH_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b"]
 BENCH_FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b",
                        "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]
 BENCH_FAMILY_MODELS += ["random:paddleocr-vl", "random:cosmos3-edge"]
+
+
+def _projected_config(preset: Preset, text: dict[str, Any]):
+    """ERNIE-4.5-VL's and MiniMax-M3's whole config: their tower's output width is the text model's width, so
+    the tiny text part takes the preset's `out_hidden_size` (and MiniMax's projector its hidden size)."""
+    from transformers import AutoConfig
+
+    vision = {k: v for k, v in preset.vision.items() if k not in OUTSIDE_VISION}
+    width = preset.vision["out_hidden_size"]
+    text = {**text, "hidden_size": width}
+    half = width // text["num_attention_heads"] // 2  # rotary frequencies per head
+    if preset.family == "ernie4_5_vl_moe":
+        t = half // 4
+        text.update(moe_num_experts=2, moe_k=1, moe_intermediate_size=[32, 32], moe_num_shared_experts=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "mrope_section": [(half - t) // 2, half - t - (half - t) // 2, t]})
+        return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text)
+    text.update(num_local_experts=2, num_experts_per_tok=1, head_dim=16, rotary_dim=8, dense_intermediate_size=64,
+                shared_intermediate_size=32, index_head_dim=16)
+    text.pop("rope_parameters", None)
+    return AutoConfig.for_model(preset.family, vision_config=vision, text_config=text,
+                                projector_hidden_size=preset.vision["projector_hidden_size"])

@@ -69,6 +69,12 @@ class Geometry:
     def merge_unit(self) -> int:
         return self.merge * self.merge
 
+    def units(self, grid: Grid) -> int:
+        """Budget units of one item: its patches over `merge_unit`, rounded up (an image a family does not merge,
+        VideoLLaMA3's, may have any patch count), so that a batch within a budget fits its capacity's patches."""
+        t, h, w = grid
+        return -(-t * h * w // self.merge_unit)
+
     def segment_lengths(self, grid: Grid) -> list[int]:
         """Patches of each attention segment of one item."""
         t, h, w = grid
@@ -82,6 +88,10 @@ class Geometry:
     def output_rows(self, cap: Capacity) -> int:
         """Output rows a forward at `cap` writes (the items' rows first, in order, then padding)."""
         return cap.patches // self.merge_unit
+
+    def describe(self) -> str:
+        """The output-row rule of an item of grid (t, h, w), in words for `/info`."""
+        return f"t*h*w/{self.merge_unit}"
 
     @property
     def splits_over_time(self) -> bool:

@@ -21,14 +21,18 @@ def visual_of(model):
 
 
 def reference_model(preset_name: str, seed: int = 0):
-    """transformers' full model for a tiny preset, fp32, seeded random weights, sdpa attention."""
+    """transformers' full model for a tiny preset, fp32, seeded random weights, sdpa attention (or the family's
+    where it has no sdpa)."""
     import transformers
+
+    from service.bench.towers import REFERENCE_ATTENTION
 
     preset = PRESETS[preset_name]
     cfg = full_config(preset)
     torch.manual_seed(seed)
     cls = getattr(transformers, CLASSES[preset.family])
-    model = cls._from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    attention = REFERENCE_ATTENTION.get(preset.family, "sdpa")
+    model = cls._from_config(cfg, dtype=torch.float32, attn_implementation=attention)
     # Non-trivial norms and biases, so a wrong wiring cannot hide behind ones and zeros.
     with torch.no_grad():
         for p in visual_of(model).parameters():
@@ -52,15 +56,17 @@ def checkpoint_vision_shapes(model, family: str, renamed: bool = True) -> dict[s
     renames on saving."""
     from transformers.core_model_loading import revert_weight_conversion
 
+    from models.loader import tower_name
+
     state = model.state_dict()
     if renamed:
         state = revert_weight_conversion(model, state)
-    prefixes = FAMILIES[family].prefixes
+    spec = FAMILIES[family]
     out = {}
     for key, tensor in state.items():
-        prefix = next((p for p in prefixes if key.startswith(p)), None)
-        if prefix is not None:
-            out[key[len(prefix) :]] = tuple(tensor.shape)
+        name = tower_name(key, spec.prefixes, spec.renames)
+        if name is not None:
+            out[name] = tuple(tensor.shape)
     return out
 
 

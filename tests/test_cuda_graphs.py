@@ -14,6 +14,7 @@ import torch
 from graphs.budgets import GraphKey
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
+from models.families import FAMILIES
 from service.bench.towers import hf_grid_thw, hf_outputs, hf_visual
 
 pytestmark = pytest.mark.cuda
@@ -24,6 +25,8 @@ FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "ran
         "random:exaone-4.5-33b"]
 FULL += ["random:lfm3-vl-2b", "random:dots3-note"]  # conv blocks beside attention; experts in the tower
 FULL += ["random:paddleocr-vl", "random:cosmos3-edge"]
+FULL += ["random:ernie-4.5-vl-28b-a3b", "random:minimax-m3"]
+FULL += ["random:hunyuan-ocr", "random:hy4", "random:videollama3-7b"]
 DEV = torch.device("cuda")
 
 
@@ -87,7 +90,8 @@ def test_full_size_bf16_parity_with_transformers(full_runner):
     tower = full_runner.tower
     visual = hf_visual(tower)
     m = tower.merge
-    grids = [(1, 32, 32), (1, 16, 24), (2, 12, 12), (1, 4 * m, 6 * m)]
+    takes_video = FAMILIES[tower.family].video  # an image of two frames is a video to an image-only model
+    grids = [(1, 32, 32), (1, 16, 24), (2 if takes_video else 1, 12, 12), (1, 4 * m, 6 * m)]
     items = make_items(tower, grids, 0)
     pixels = np.concatenate([i.pixels for i in items])
     ours = full_runner.encode(items)

@@ -43,7 +43,7 @@ def reference_features(tower, reference, pixels: torch.Tensor, grids, video: boo
         if video:
             out = reference.model.get_video_features(pixel_values_videos=x, video_grid_thw=torch.tensor(grids))
             return torch.cat(out.pooler_output)
-        return tower.spec.extra["reference_image_features"](reference, x, torch.tensor(grids))
+        return tower.spec.extra["reference_features"](reference, x, torch.tensor(grids))
 
 
 def test_image_parity_with_transformers(checkpoint):

@@ -5,10 +5,14 @@ from models.families import (  # noqa: F401  (registration)
     cohere_compass,
     cosmos3_edge,
     dots3_note,
+    ernie4_5_vl_moe,
     exaone4_5,
     glm4v,
+    hunyuan_vl,
+    hy_v4_vl,
     kimi_k25,
     lfm3_vl,
+    minimax_m3_vl,
     muse_glimmer,
     muse_spark,
     paddleocr_vl,
@@ -19,6 +23,7 @@ from models.families import (  # noqa: F401  (registration)
     qwen3_omni_moe,
     qwen3_vl,
     qwen3_vl_moe,
+    video_llama_3,
 )
 from models.family import FAMILIES, Family
 

@@ -24,6 +24,9 @@ def reference_image_features(model: Any, pixels: torch.Tensor, grid_thw: torch.T
 
 
 IMAGENET_STANDARD = [0.5, 0.5, 0.5]
+# Cosmos3EdgeImageProcessor's defaults, which its video processor shares
+PROCESSOR_DEFAULTS = {"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2, "image_mean": IMAGENET_STANDARD,
+                      "image_std": IMAGENET_STANDARD}
 
 COSMOS3_EDGE = register(Family(
     "cosmos3_edge", "Cosmos3-Edge", config_path=(), dims=siglip_dims,
@@ -35,12 +38,11 @@ COSMOS3_EDGE = register(Family(
              (".mlp.down_proj.", ".mlp.fc2.")),
     image_sizing="glm4v", video_sampling="qwen3", video_timestamps=True, image_processor="Cosmos3EdgeImageProcessor",
     patch_layout="hwc",
-    processor_defaults={"patch_size": 16, "temporal_patch_size": 1, "merge_size": 2,
-                        "image_mean": IMAGENET_STANDARD, "image_std": IMAGENET_STANDARD},
+    processor_defaults={"image": PROCESSOR_DEFAULTS, "video": PROCESSOR_DEFAULTS},
     hf_class="Cosmos3EdgeForConditionalGeneration", tower=SiglipTower,
     extra={"patch_embedding": "linear", "linear_layout": "hwc", "position_side": lambda v: int(v.num_patches**0.5),
            "positions": "antialias", "rotary": False,
            "merger_names": ("norm", "linear_fc1", "linear_fc2"), "merger_eps": 1e-6,
            "merger_hidden": lambda config: config.projector_hidden_size,
-           "reference_image_features": reference_image_features},
+           "reference_features": reference_image_features},
 ))

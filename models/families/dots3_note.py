@@ -16,8 +16,9 @@ import torch
 from models.blocks import NamedBlock, NamedGatedMlp, Renamed
 from models.config import ProcessorConfig
 from models.family import ConfigView, Dims, Family, register
-from models.layers import Attention, Conv2dPatchEmbed, Merger, RMSNorm
+from models.layers import Attention, Merger, RMSNorm
 from models.moe import SparseMoe
+from models.patches import Conv2dPatches, PatchProjection
 from models.protocol import Capacity, TowerOutput
 from models.tower import QwenTower
 
@@ -35,8 +36,9 @@ class Dots3Tower(Renamed, QwenTower):
                          backend)
         dims = self.dims
         del self.layer_mlps
-        self.patch_embed = Conv2dPatchEmbed(cfg.num_channels, cfg.patch_size, dims.hidden, bias=True,
-                                            norm=RMSNorm(dims.hidden, cfg.rms_norm_eps))
+        self.patch_embed = PatchProjection(Conv2dPatches(cfg.num_channels, dims.hidden, cfg.patch_size,
+                                                         processor.patch_layout),
+                                           norm=RMSNorm(dims.hidden, cfg.rms_norm_eps))
         self.post_trunk_norm = RMSNorm(dims.hidden, cfg.rms_norm_eps)
         self.merger = Merger(dims.hidden, dims.out, self.merge_unit, "layer", "mlp")
         self.use_names({"merger": "adapter"})

@@ -25,9 +25,10 @@ from torch import nn
 
 from models.config import ProcessorConfig
 from models.family import Dims, Family, register
-from models.kimi_block import KIMI_NORM_EPS, Conv2dPatchEmbed, PairwiseRotaryBlock
+from models.kimi_block import KIMI_NORM_EPS, PairwiseRotaryBlock
 from models.layers import Attention, Normalize
 from models.metadata import base_capacity, padded_cumsum, segment_lengths
+from models.patches import Conv2dPatches, PatchProjection
 from models.positions import resample_float32, tap_metadata
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
 from models.raster import InterleavedRotary2D, raster_rotary_positions, raster_taps
@@ -53,6 +54,9 @@ class ChunkedClipGeometry(Geometry):
         t, h, w = grid
         return math.ceil(t / self.chunk) * h * w // self.merge_unit
 
+    def describe(self) -> str:
+        return f"ceil(t/{self.chunk})*h*w/{self.merge_unit}"
+
 
 def kimi_dims(config: Any) -> Dims:
     """From the whole model's config: the tokens are as wide as the text model."""
@@ -62,8 +66,10 @@ def kimi_dims(config: Any) -> Dims:
 
 
 def sinusoid_table(frames: int, dim: int) -> torch.Tensor:
-    """[frames + 1, dim] float32: a zero row (single frames get no time term), then sin | cos of each frame."""
-    cpu = torch.device("cpu")  # also while the tower is built on the meta device (whose arange imports dynamo)
+    """[frames + 1, dim] float32: a zero row (single frames get no time term), then sin | cos of each frame. On
+    the CPU whatever the default device (on the meta device torch runs these as Python references, whose first
+    call imports torch._dynamo)."""
+    cpu = torch.device("cpu")
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
     freqs = torch.outer(torch.arange(frames, dtype=torch.float32, device=cpu), inv_freq)
     return torch.cat([torch.zeros(1, dim, device=cpu), torch.cat([freqs.sin(), freqs.cos()], dim=1)])
@@ -115,7 +121,7 @@ class KimiTower(nn.Module):
         self.patch_embed.pos_emb = nn.Module()
         self.patch_embed.pos_emb.weight = nn.Parameter(torch.empty(self.side, self.side, dims.hidden))
         self.encoder = nn.Module()
-        self.encoder.patch_embed = Conv2dPatchEmbed(3, cfg.patch_size, dims.hidden)
+        self.encoder.patch_embed = PatchProjection(Conv2dPatches(3, dims.hidden, cfg.patch_size))
         self.encoder.blocks = nn.ModuleList(PairwiseRotaryBlock(dims.hidden, dims.heads, dims.mlp, cfg.hidden_act,
                                                                 backend) for _ in range(dims.depth))
         self.encoder.final_layernorm = nn.LayerNorm(dims.hidden, eps=KIMI_NORM_EPS)

@@ -24,9 +24,10 @@ from models.attention import SHORT_SEQLEN
 from models.config import ProcessorConfig
 from models.family import Dims, Family, register
 from models.kernels import ACTIVATIONS
-from models.kimi_block import LinearPatchEmbed, kimi_block
+from models.kimi_block import kimi_block
 from models.layers import Attention, Normalize, Rotary2D, check_activation, position_table
 from models.metadata import base_capacity, padded_cumsum, segment_lengths
+from models.patches import LinearPatches
 from models.positions import resample, tap_metadata
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
 from models.raster import raster_rotary_positions, raster_taps
@@ -71,7 +72,10 @@ class MuseTower(nn.Module):
         self.normalize = Normalize(torch.from_numpy(mean), torch.from_numpy(std), processor.rescale_factor)
         self.tower = nn.Module()
         tower = self.tower
-        tower.patch_embedder = LinearPatchEmbed(processor.patch_dim, dims.hidden, 3, cfg.patch_temporal)
+        tower.patch_embedder = nn.Module()
+        # the checkpoint's Linear reads (temporal, channel, pixels); a reordered copy serves the rows
+        tower.patch_embedder.patch_embedding = LinearPatches(3, cfg.patch_temporal, cfg.patch_size, dims.hidden, "tchw",
+                                                             processor.patch_layout, bias=False)
         tower.patch_embedder.position_embedding_table = position_table(self.side * self.side, dims.hidden)
         tower.ln_pre = nn.LayerNorm(dims.hidden, eps=cfg.layer_norm_eps)
         tower.layers = nn.ModuleList(kimi_block(dims.hidden, dims.heads, dims.mlp, cfg.hidden_act, backend)
@@ -119,7 +123,7 @@ class MuseTower(nn.Module):
     def reset_buffers(self) -> None:
         self.normalize.reset()
         self.rotary.reset()
-        self.tower.patch_embedder.fuse()
+        self.tower.patch_embedder.patch_embedding.fuse()
         for module in self.modules():
             if isinstance(module, Attention):
                 module.fuse()
@@ -147,7 +151,7 @@ class MuseTower(nn.Module):
     # ---- device half ----------------------------------------------------------------------
     def forward(self, pixels: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         tower, unit = self.tower, self.merge_unit
-        x = tower.patch_embedder(self.normalize(pixels))
+        x = tower.patch_embedder.patch_embedding(self.normalize(pixels))
         x = x + resample(tower.patch_embedder.position_embedding_table.weight, meta).to(x.dtype)
         x = tower.ln_pre(x)
         n = x.shape[0]

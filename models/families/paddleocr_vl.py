@@ -35,12 +35,12 @@ PADDLEOCR_VL = register(Family(
               ("model.visual.vision_model.", "visual."), ("model.projector.", "projector."),
               ("visual.vision_model.", "visual."), ("mlp_AR.", "projector.")),
     image_sizing="paddleocr_vl", video=False, image_processor="PaddleOCRVLImageProcessor",
-    patch_order="raster", processor_defaults={"patch_size": 14, "temporal_patch_size": 1, "merge_size": 2},
+    patch_order="raster", processor_defaults={"image": {"patch_size": 14, "temporal_patch_size": 1, "merge_size": 2}},
     # vLLM 0.33's PaddleOCR-VL takes pixels only: its hand-off part keeps the media and names the cached output.
     vllm_embedding_parts=False,
     hf_class="PaddleOCRVLForConditionalGeneration", tower=SiglipTower,
     extra={"patch_embedding": "conv2d", "position_side": lambda v: v.image_size // v.patch_size,
            "positions": "half_pixel", "rotary": True,
            "merger_names": ("pre_norm", "linear_1", "linear_2"), "merger_eps": 1e-5,
-           "reference_image_features": reference_image_features},
+           "reference_features": reference_image_features},
 ))

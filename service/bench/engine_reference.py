@@ -64,7 +64,7 @@ def _time_engine(runner: Any, images: Sequence[bytes], workers: int, single_reps
     def prep(data: bytes):
         return preprocess_image_bytes(data, proc)
 
-    tokens = prep(images[0]).num_tokens(runner.tower.merge)
+    tokens = runner.tower.geometry.units(prep(images[0]).grid_thw)
     n = max(1, min(runner.plan.max_items, runner.plan.max_budget // tokens))
     batch_bytes = [images[i % len(images)] for i in range(n)]
 

@@ -99,6 +99,8 @@ def hf_grid_thw(tower, grids) -> list[tuple[int, int, int]]:
     """The grids as transformers' vision model of the family takes them (see `reference_frames_as_grids`)."""
     if tower.spec.extra.get("reference_frames_as_grids"):
         return [(1, h, w) for t, h, w in grids for _ in range(t)]
+    if hasattr(tower.geometry, "frames"):  # clips cut into attention segments (models.geometries)
+        return [(n, h, w) for t, h, w in grids for n in tower.geometry.frames((t, h, w))]
     return list(grids)
 
 
@@ -173,19 +175,32 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
     return graph.replay
 
 
+# transformers' attention for a family's reference where it is not sdpa (Hy4's text attention has sinks, which
+# its sdpa path refuses)
+REFERENCE_ATTENTION = {"hy_v4_vl": "eager"}
+
+
 def hf_visual(tower):
-    """transformers' vision model of the tower's preset, carrying the tower's weights."""
+    """transformers' vision model of the tower's preset, carrying the tower's weights; for a family whose
+    projector sits outside that vision model, the whole model called through the family's entry point
+    (`Family.extra["reference_features"]`, see `ReferenceFeatures`)."""
     import transformers
 
-    preset = PRESETS[tower.name]
-    cfg = full_config(preset)
-    tower.spec.vision_config(cfg)._attn_implementation = "sdpa"
+    spec = tower.spec
+    attention = REFERENCE_ATTENTION.get(spec.model_type, "sdpa")
+    cfg = full_config(PRESETS[tower.name])
     dev = next(tower.parameters()).device
     dtype = next(tower.parameters()).dtype
+    kwargs = {"attn_implementation": attention} if spec.model_type in REFERENCE_ATTENTION else {}
+    if not kwargs:
+        spec.vision_config(cfg)._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = getattr(transformers, tower.spec.hf_class)._from_config(cfg, dtype=dtype)
+        model = getattr(transformers, spec.hf_class)._from_config(cfg, dtype=dtype, **kwargs)
     if not set(tower.state_dict()) <= set(vision_module(model).state_dict()):
-        return hf_visual_converted(tower, model, cfg)
+        model = hf_model_carrying(tower, model, cfg, attention)
+        if "reference_features" in spec.extra:
+            return ReferenceFeatures(model, spec.extra["reference_features"]).eval()
+        return vision_module(model).eval()
     visual = vision_module(model).to_empty(device=dev)
     visual.load_state_dict(tower.state_dict(), strict=False)
     for m in visual.modules():  # non-persistent rotary buffers were left empty by to_empty
@@ -195,43 +210,55 @@ def hf_visual(tower):
     return visual.eval()
 
 
-def hf_visual_converted(tower, meta_model, cfg):
-    """transformers' vision model carrying the tower's weights, where transformers renames tensors between its
-    checkpoints and its modules (LFM3-VL, dots3-note): the tower's state dict under the checkpoint's full names
-    (as the meta model's save_pretrained would write them), loaded by from_pretrained with its conversions."""
+def hf_model_carrying(tower, meta_model, cfg, attention: str = "sdpa"):
+    """transformers' whole model carrying the tower's weights, where its module names are not the tower's
+    (transformers renames tensors between its checkpoints and its modules, or the tower names its parts as the
+    checkpoints do): the names `save_pretrained` would write (transformers' own reverse conversion of the meta
+    model's), each matched to a tower tensor by the loader's own reading of a checkpoint (its prefixes and
+    renames), then loaded by from_pretrained with transformers' conversions. The text model stays random."""
     import transformers
     from transformers.core_model_loading import revert_weight_conversion
 
+    from models.loader import tower_name
+
+    spec = tower.spec
     full_names = {}
     for key in revert_weight_conversion(meta_model, meta_model.state_dict()):
-        prefix = next((p for p in tower.spec.prefixes if key.startswith(p)), None)
-        if prefix is not None:
-            full_names[key[len(prefix) :]] = key
+        name = tower_name(key, spec.prefixes, spec.renames)
+        if name is not None:
+            full_names[name] = key
+    unnamed = sorted(set(tower.state_dict()) - set(full_names))
+    if unnamed:
+        raise KeyError(f"{unnamed[:5]}: not among the tensors {spec.hf_class} writes under {spec.prefixes}")
     state = {full_names[k]: v.cpu() for k, v in tower.state_dict().items()}
     param = next(tower.parameters())
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # its report lists the text model's weights, left random
     try:
-        model = getattr(transformers, tower.spec.hf_class).from_pretrained(
-            None, config=cfg, state_dict=state, dtype=param.dtype, attn_implementation="sdpa")
+        model = getattr(transformers, spec.hf_class).from_pretrained(
+            None, config=cfg, state_dict=state, dtype=param.dtype, attn_implementation=attention)
     finally:
         transformers.logging.set_verbosity(verbosity)
-    return vision_module(model).to(param.device).eval()
+    return model.to(param.device)
 
 
 class ReferenceFeatures(torch.nn.Module):
-    """A whole transformers model's image entry point, called like a vision model, for families whose projector
-    sits outside the vision model (`reference_image_features` in the family's extra). It holds the model's
-    vision model and projector under the tower's own names (`visual`, `projector`), so the tower's state dict
-    loads into it and parameter counts compare; the rest of the model stays unregistered (and unloaded)."""
+    """A whole transformers model called like a vision model, for families whose projector sits outside the
+    vision model: packed pixels and grids in, `features(model, pixels, grid_thw)` out (the family's
+    `extra["reference_features"]`: its entry point, without the per-item split). `parts`: the modules that
+    entry point runs, held under the tower's own names so that the tower's state dict loads into them and
+    parameter counts compare, the rest of the model unregistered (and unloaded); without them the whole model
+    is registered, so that it moves and casts with this module."""
 
-    def __init__(self, model: torch.nn.Module, features: Callable) -> None:
+    def __init__(self, model: torch.nn.Module, features: Callable,
+                 parts: dict[str, torch.nn.Module] | None = None) -> None:
         super().__init__()
-        inner = model.model
-        visual = inner.visual
-        self.visual = getattr(visual, "vision_model", visual)  # PaddleOCR-VL's wraps its transformer once more
-        self.projector = inner.projector
-        self._whole = [model]  # a list: not a submodule
+        if parts is None:
+            self.model = model
+        else:
+            for name, module in parts.items():
+                setattr(self, name, module)
+        self._whole = [model]  # a list: not a submodule (again)
         self._features = features
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -245,9 +272,14 @@ def vision_module(model) -> torch.nn.Module:
     from models.families import FAMILIES
 
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
-    if family is not None and "reference_image_features" in family.extra:
-        return ReferenceFeatures(model, family.extra["reference_image_features"])
-    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_tower"):
+    inner = getattr(model, "model", None)
+    if family is not None and "reference_features" in family.extra and hasattr(inner, "visual") \
+            and hasattr(inner, "projector"):  # PaddleOCR-VL, Cosmos3-Edge: the tower's `visual` and `projector`
+        visual = getattr(inner.visual, "vision_model", inner.visual)  # PaddleOCR-VL's wraps its transformer again
+        return ReferenceFeatures(model, family.extra["reference_features"],
+                                 parts={"visual": visual, "projector": inner.projector})
+    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_tower",
+                 "model.vision_model"):
         found = model
         for name in path.split("."):
             found = getattr(found, name, None)

@@ -382,12 +382,13 @@ class Engine:
                 tally["tokens"] -= reserved
                 self.admission.release(reserved)
                 reserved = 0
+            units = model.geometry.units(cost.grid_thw)  # what the queue counts, as `Work.tokens` does
             if not estimated:
                 estimated = True
-                self.admission.estimated(cost.tokens)
-            tally["tokens"] += cost.tokens
-            self.admission.admit(cost.tokens, tally["tokens"], tally["deadline"])
-            reserved = cost.tokens
+                self.admission.estimated(units)
+            tally["tokens"] += units
+            self.admission.admit(units, tally["tokens"], tally["deadline"])
+            reserved = units
             return True
 
         self.admission.unestimated += 1
@@ -428,7 +429,7 @@ class Engine:
                 shm.unlink(source)
         self.metrics.preprocess_seconds.observe(prepared.seconds)
         self.admission.prepared(prepared.seconds)
-        tokens = prepared.num_patches // model.merge_unit
+        tokens = model.geometry.units(prepared.grid_thw)
         self.admission.release(reserved - tokens)  # the queue counts the exact tokens from here on
         assert self.loop is not None
         rows = model.geometry.tokens(prepared.grid_thw, item.modality)

@@ -5,6 +5,7 @@ the request path.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any, Protocol
 
@@ -66,6 +67,9 @@ def engine_info(engine: Reported) -> dict[str, Any]:
         "out_hidden_size": m.out_hidden_size,
         "num_deepstack": m.num_deepstack,
         "merge_unit": m.merge_unit,
+        # how an item's grid becomes output rows (num_tokens): the model's own rule
+        "geometry": {"tokens": m.geometry.describe(), "rule": type(m.geometry).__name__,
+                     **dataclasses.asdict(m.geometry)},
         "budgets": list(m.plan.budgets),
         "max_batch_items": m.plan.max_items,
         "t_capture": m.plan.t_capture,
@@ -76,6 +80,7 @@ def engine_info(engine: Reported) -> dict[str, Any]:
         "processor": {
             "patch_size": proc.patch_size,
             "merge_size": proc.merge_size,
+            "video_merge_size": proc.video_merge_size,
             "temporal_patch_size": proc.temporal_patch_size,
             "min_pixels": proc.min_pixels,
             "max_pixels": proc.max_pixels,

@@ -127,7 +127,8 @@ class EncodedItem(BaseModel):
     type: Literal["image", "video"]
     id: str | None = None
     grid_thw: list[int] = Field(description="(t, h, w) in patches")
-    num_tokens: int = Field(description="merged tokens: t*h*w / merge_size**2")
+    num_tokens: int = Field(description="output rows, what the language model sees: the model's rule "
+                                        "(`/info` geometry.tokens; t*h*w / merge_size**2 for the Qwen-VL families)")
     shape: list[int] = Field(description="[num_tokens, hidden] of the main embedding")
     dtype: OutDtype
     embedding: Tensor2D | None = Field(None, description="float or base64 formats")

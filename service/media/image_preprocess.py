@@ -35,9 +35,9 @@ from service.media.errors import (
 )
 from service.media.images import ImageHeader, decode_image, has_alpha, read_header, to_rgb
 from service.media.limits import DEFAULT_LIMITS, MediaLimits
-from service.media.navit_sizing import kimi_size, muse_size, resize_image
+from service.media.navit_sizing import kimi_size, muse_size, resize_bicubic_antialias, resize_image
 from service.media.patch_layout import image_rows, is_qwen_layout
-from service.media.rules import family_extra, image_sizing
+from service.media.rules import family_extra, image_resize, image_sizing
 
 MAX_ASPECT_RATIO = 200
 
@@ -258,6 +258,8 @@ def preprocess_image(
     padded = (grid[1] * cfg.patch_size, grid[2] * cfg.patch_size)
     if image_sizing(cfg) in ("kimi", "muse"):
         image = resize_image(image, image_sizing(cfg), (new_h, new_w), padded)
+    elif (new_w, new_h) != (width, height) and image_resize(cfg) == "torch":
+        image = Image.fromarray(resize_bicubic_antialias(np.asarray(image), new_h, new_w))
     elif (new_w, new_h) != (width, height):
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.

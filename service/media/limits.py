@@ -14,7 +14,7 @@ decoding.
   frames cannot make the decoder run through them to reach the last one.
 * `max_decoded_pixels`: the sum of width x height of the frames the decoder returns (the work that scales with
   resolution).
-* `max_tokens`: merged tokens of the item's grid (t*h*w / merge_size**2), what the LLM and the tower see.
+* `max_tokens`: merged tokens of the item's grid (t*h*w / its modality's merge size**2), what the LLM and the tower see.
 
 Defaults (2-core development machine, H.264 software decoding at about 0.35 Gpixel/s per core):
 4096x4096 frames (4K yes, 8K no), 8192x8192 images, 36,000 stream frames (20 minutes at 30 fps), 7,200

@@ -58,7 +58,9 @@ def muse_size(height: int, width: int, factor: int, max_tokens: int) -> tuple[in
 
 def resize_bicubic_antialias(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     """uint8 [H, W, 3] -> [height, width, 3]: torch's antialiased bicubic on uint8 (what torchvision's
-    tensor resize runs on the CPU); the same size is returned as is."""
+    tensor resize runs on the CPU); the same size is returned as is. Every family that resizes as a
+    torchvision-only processor does uses it (Kimi, MiniMax-M3 and ERNIE-4.5-VL's frames: `Family.image_resize`,
+    `video_resize`)."""
     if rgb.shape[:2] == (height, width):
         return rgb
     x = torch.from_numpy(np.array(rgb)).permute(2, 0, 1)[None].contiguous()

@@ -56,7 +56,7 @@ def temporal_axis(cfg: ProcessorConfig) -> int:
 def frame_values(rgb: np.ndarray, cfg: ProcessorConfig) -> np.ndarray:
     """One uint8 [H, W, 3] frame's share of its rows: [rows of a frame, *value axes] with a temporal axis of
     one, to be written at the frame's slot of that axis."""
-    rows = patch_rows(rgb[None], replace(cfg, temporal_patch_size=1))
+    rows = patch_rows(rgb[None], replace(cfg, temporal_patch_size=1, merge_size=cfg.video_merge_size))
     shape = list(value_shape(cfg))
     shape[temporal_axis(cfg)] = 1
     return rows.reshape(rows.shape[0], *shape)

@@ -8,8 +8,11 @@ paths branch on those names alone, so a family that preprocesses like another on
 * image sizing "qwen2": `Qwen2VLImageProcessor`'s smart_resize (bounds on H*W);
   "glm4v": `Glm4vImageProcessor`'s (an image is a clip of temporal_patch_size frames: bounds on T*H*W,
   tiny images scaled up first).
+* image resize "pil": PIL bicubic on the uint8 image (the *ImageProcessorPil classes); "torch": torchvision's
+  bicubic with antialias on a uint8 tensor (MiniMaxM3VLImageProcessor, which exists only with torchvision).
 * video sampling "qwen2": qwen-vl-utils `fetch_video`; "qwen3": `Qwen3VLVideoProcessor`; "glm4v":
-  `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded).
+  `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded);
+  "hy_v4_vl": `HYV4VLVideoProcessor`; "video_llama_3": `VideoLlama3VideoProcessor`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,18 @@ def family_extra(cfg: ProcessorConfig) -> dict:
     return family.extra if family else {}
 
 
+def image_resize(cfg: ProcessorConfig) -> str:
+    """"pil" (PIL bicubic on uint8) or "torch" (torchvision's bicubic with antialias on uint8 tensors)."""
+    family = _family(cfg)
+    return family.image_resize if family else "pil"
+
+
+def video_resize(cfg: ProcessorConfig) -> str:
+    """The same choice for video frames (`Family.video_resize`)."""
+    family = _family(cfg)
+    return family.video_resize if family else "pil"
+
+
 def takes_video(cfg: ProcessorConfig) -> bool:
     """False for a family whose vision model takes images only (Cohere Compass)."""
     family = _family(cfg)
@@ -53,3 +68,4 @@ def video_sampling(cfg: ProcessorConfig) -> str:
     if family.video_sampling in GLM_VIDEO_PROCESSORS.values():
         return GLM_VIDEO_PROCESSORS.get(cfg.video.processor_class, family.video_sampling)
     return family.video_sampling
+

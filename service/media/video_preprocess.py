@@ -5,7 +5,8 @@ Frame sampling and per-frame sizes follow the reference each model family ships 
 `Qwen3VLVideoProcessor` for Qwen3-VL).
 
 Frames are resized one by one with PIL bicubic on uint8, like the image path (the references
-resize torch tensors with torchvision bicubic+antialias; see docs/video.md), and patchified into
+resize torch tensors with torchvision bicubic+antialias; see docs/video.md), or with that very torch
+kernel where the family says so (`Family.video_resize`: ERNIE-4.5-VL, MiniMax-M3), and patchified into
 `pixel_values_videos` order: rows (t, h-block, w-block, merge-row, merge-col), columns
 (channel, temporal, patch-row, patch-col), or the family's own layout (service/media/patch_layout.py). A
 frame count off a multiple of the temporal patch size is padded with the last frame.
@@ -36,10 +37,11 @@ from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
+from service.media.frame_labels import draw_label, time_label
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
-from service.media.navit_sizing import resize_image
+from service.media.navit_sizing import resize_bicubic_antialias, resize_image
 from service.media.patch_layout import frame_values, is_qwen_layout, temporal_axis, value_shape
-from service.media.rules import video_sampling
+from service.media.rules import video_resize, video_sampling
 from service.media.video import VideoInfo, VideoReader
 from service.media.video_sampling import SamplingPlan, VideoOptions, plan_sampling
 
@@ -64,10 +66,12 @@ class _PatchWriter:
         workers: int,
         max_tokens: int | None = None,
         content: Callable[[int, int], tuple[int, int]] | None = None,
+        labels: dict[int, str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.content = content  # resize to this, then zero-pad to `size` (the Kimi processors)
         self.method = {"kimi": "kimi", "muse": "muse"}.get(video_sampling(cfg), "bicubic")
+        self.labels = labels or {}  # text drawn on the frame at a position before resizing (frame_labels)
         self.max_tokens = max_tokens
         self.slots_of = slots_of
         self.num_slots = num_slots
@@ -93,13 +97,14 @@ class _PatchWriter:
             self._inflight.popleft().result()
 
     def _allocate(self, height: int, width: int) -> None:
-        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        p, m, tps = self.cfg.patch_size, self.cfg.video_merge_size, self.cfg.temporal_patch_size
         h, w = self.size(height, width)
         self.orig_size, self.resized = (height, width), (h, w)
         bh, bw = h // (p * m), w // (p * m)
         if self.max_tokens is not None:
             # The plan checked the header's size; the frames themselves decide (a header may lie).
-            _check_tokens((self.num_slots // tps) * bh * bw, self.max_tokens, (self.num_slots // tps, h // p, w // p))
+            grid = (self.num_slots // tps, h // p, w // p)
+            _check_tokens(video_tokens(grid, self.cfg), self.max_tokens, grid)
         if not is_qwen_layout(self.cfg):  # the family's own row layout: [T, rows of a frame, *value axes]
             self._out = np.empty((self.num_slots // tps, bh * bw * m * m, *value_shape(self.cfg)), np.uint8)
             return
@@ -109,12 +114,16 @@ class _PatchWriter:
 
     def _write(self, position: int, rgb: np.ndarray) -> None:
         assert self._out is not None and self.resized is not None
-        p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        p, m, tps = self.cfg.patch_size, self.cfg.video_merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
         image = Image.fromarray(rgb)
+        if position in self.labels:
+            image = draw_label(image, self.labels[position], self.cfg.video.timestamp_font)
         if self.method != "bicubic":
             content = self.content(*rgb.shape[:2]) if self.content else (h, w)
             image = resize_image(image, self.method, content, (h, w))
+        elif image.size != (w, h) and video_resize(self.cfg) == "torch":
+            image = Image.fromarray(resize_bicubic_antialias(np.asarray(image), h, w))
         elif image.size != (w, h):
             image = image.resize((w, h), Image.Resampling.BICUBIC)
         if self._dst is None:
@@ -178,7 +187,7 @@ class VideoPlan:
     orig_size: tuple[int, int]  # upright (H, W) the header describes
     resized: tuple[int, int]  # (h, w) every frame is resized to
     grid_thw: tuple[int, int, int]
-    tokens: int  # t*h*w / merge_size**2
+    tokens: int  # t*h*w / video merge size**2
     packets: int  # packets the decoder must be sent (VideoReader.packets_needed)
     decode_pixels: int  # packets x coded width x height
 
@@ -202,6 +211,11 @@ class VideoPlan:
             "container": info.container,
             "codec": info.codec,
         }
+
+
+def video_tokens(grid: tuple[int, int, int], cfg: ProcessorConfig) -> int:
+    """Merged tokens of a video's grid: t*h*w / video merge size**2."""
+    return grid[0] * grid[1] * grid[2] // cfg.video_merge_size**2
 
 
 def _check_tokens(tokens: int, max_tokens: int, grid: tuple[int, int, int]) -> None:
@@ -228,7 +242,7 @@ def plan_video(
     orig = info.upright_size
     h, w = sampling.size(*orig)
     grid = (len(slots) // tps, h // cfg.patch_size, w // cfg.patch_size)
-    tokens = grid[0] * grid[1] * grid[2] // (cfg.merge_size * cfg.merge_size)
+    tokens = video_tokens(grid, cfg)
     packets = reader.packets_needed(positions)
     plan = VideoPlan(
         info=info,
@@ -291,9 +305,12 @@ def preprocess_video_bytes(
         for slot, position in enumerate(slots.tolist()):
             slots_of.setdefault(position, []).append(slot)
         n_workers = workers if workers is not None else min(4, os.cpu_count() or 1)
+        labels = None
+        if cfg.video.timestamp_font:  # each frame's time, from its index and the video's rate
+            labels = {int(p): time_label(int(i) / plan.info.fps) for p, i in zip(plan.positions, plan.sampling.indices)}
         writer = _PatchWriter(
             cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens,
-            content=plan.sampling.content_size,
+            content=plan.sampling.content_size, labels=labels,
         )
         try:
             reader.read(plan.positions, writer)

@@ -11,6 +11,13 @@ The rules follow the reference each model family ships with:
   up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
 * GLM-4.6V: `Glm46VVideoProcessor` (a frame rate chosen by the clip's length, at most 640 frames).
 * Kimi-K2.x, Muse: `Kimi_K25VideoProcessor`, `MuseGlimmerVideoProcessor` (service/media/navit_sizing.py).
+* ERNIE-4.5-VL: `Ernie4_5_VLMoeVideoProcessor` (frames spread over the clip, 16 to 180, each sized alone; the
+  frame's time drawn on it before resizing: service.media.frame_labels).
+* MiniMax-M3: `MiniMaxM3VLVideoProcessor` takes the frames it is given; they are vLLM's for the model (one a
+  second), each sized by `smart_resize` between the video processor's min_pixels and max_pixels.
+* Hy4: `HYV4VLVideoProcessor` (frames at fps over the clip, sized along the frame's aspect so that the clip's
+  tokens, a newline per row counted, fit its budget; never upscaled).
+* VideoLLaMA3: `VideoLlama3VideoProcessor` (frames at fps, the clip's pixel budget shared by its frames).
 
 `service.media.rules` says which of these a family follows.
 
@@ -27,8 +34,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.config import ProcessorConfig
-from service.media.errors import INVALID_OPTION, TOO_FEW_FRAMES, UNSUPPORTED_FORMAT, MediaError
-from service.media.image_preprocess import clip_smart_resize, navit_image_size, smart_resize
+from service.media.errors import (
+    ASPECT_RATIO,
+    INVALID_OPTION,
+    TOO_FEW_FRAMES,
+    TOO_SMALL,
+    UNSUPPORTED_FORMAT,
+    MediaError,
+)
+from service.media.image_preprocess import MAX_ASPECT_RATIO, clip_smart_resize, navit_image_size, smart_resize
 from service.media.navit_sizing import kimi_frame_indices, muse_frame_indices
 from service.media.rules import takes_video, video_sampling
 
@@ -73,6 +87,13 @@ def torch_linspace_round(start: float, end: float, steps: int) -> np.ndarray:
     tail = (np.float64(e32) - step * (steps - 1 - i)).astype(np.float32)
     values = np.where(np.arange(steps) < steps // 2, head, tail)
     return np.round(values).astype(np.int64)
+
+
+def float32_arange_int(end: int, step: float) -> np.ndarray:
+    """`torch.arange(0, end, step).int()` with a float step (float32 values, computed in double on the CPU,
+    truncated): ceil(end / step) values."""
+    count = math.ceil(end / step)
+    return (np.arange(count, dtype=np.float64) * step).astype(np.float32).astype(np.int64)
 
 
 # -- Qwen2-VL / Qwen2.5-VL: qwen-vl-utils ---------------------------------------------------------
@@ -292,6 +313,109 @@ def glm46v_frame_indices(total_frames: int, video_fps: float, temporal_patch_siz
     return np.asarray(unique, dtype=np.int64)
 
 
+# -- MiniMax-M3: frames a second apart ----------------------------------------------------------------
+
+
+def minimax_frame_indices(total_frames: int, video_fps: float, fps: float = 1.0) -> np.ndarray:
+    """MiniMax-M3's frames: MiniMaxM3VLVideoProcessor takes the frames it is given (`do_sample_frames` is off),
+    and vLLM's loader for the model (`MiniMaxM3VideoBackend`, vLLM 0.33) gives it one every 1/fps seconds of
+    presentation time: frame 0, then the first frame at least 1/fps - 1e-4 s after the last one kept."""
+    if total_frames <= 0 or video_fps <= 0 or fps <= 0:
+        return np.zeros(1 if total_frames > 0 else 0, dtype=np.int64)
+    picked: list[int] = []
+    kept = -math.inf
+    while True:
+        frame = 0 if not picked else max(math.ceil((kept + 1.0 / fps - 1e-4) * video_fps), picked[-1] + 1)
+        if frame >= total_frames:
+            break
+        picked.append(frame)
+        kept = frame / video_fps
+    return np.asarray(picked or [0], dtype=np.int64)
+
+
+# -- ERNIE-4.5-VL: frames spread over the clip --------------------------------------------------------
+
+
+def ernie_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = None,
+                        num_frames: int | None = None, min_frames: int = 16, max_frames: int = 180) -> np.ndarray:
+    """`Ernie4_5_VLMoeVideoProcessor.sample_frames`: `num_frames` (within [min_frames, max_frames]), or the
+    clip's frames at `fps` (every frame without one) clamped to [min_frames, max_frames] and the frame count,
+    spread as `torch.arange(0, total, total / n).int()` (`float32_arange_int`: its float32 steps decide the
+    picks); then an odd count gets its last frame again (the processor repeats the last frame)."""
+    if num_frames is not None:
+        if not min_frames <= num_frames <= max_frames:
+            raise MediaError(reason=f"nframes must be within [{min_frames}, {max_frames}] for this model; "
+                             f"got {num_frames}", code=INVALID_OPTION)
+        n: float = num_frames
+    else:
+        n = total_frames / video_fps * fps if fps else total_frames
+        n = min(max(n, min_frames), max_frames, total_frames)
+    if n > total_frames:
+        raise MediaError(reason=f"{n} frames asked of a clip of {total_frames}", code=INVALID_OPTION)
+    indices = float32_arange_int(total_frames, total_frames / n)
+    return np.concatenate([indices, indices[-1:]]) if len(indices) % 2 else indices
+
+
+# -- Hy4: transformers HYV4VLVideoProcessor ------------------------------------------------------
+
+
+def hy4_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = 2.0, num_frames: int | None = None,
+                      min_frames: int = 2, max_frames: int = 1024) -> np.ndarray:
+    """HYV4VLVideoProcessor.sample_frames: int(duration * fps) frames clamped to [min_frames, max_frames] and to
+    the frames there are (or `num_frames` as asked), at np.linspace(0, last, n) rounded (half to even)."""
+    if num_frames is None:
+        wanted = int(total_frames / video_fps * fps) if fps is not None else total_frames
+        num_frames = min(max(wanted, min_frames), max_frames, total_frames)
+    return np.linspace(0, total_frames - 1, num_frames).round().astype(np.int64)
+
+
+def hy4_frame_size(height: int, width: int, num_frames: int, *, factor: int, max_pixels: int,
+                   max_frame_pixels: int) -> tuple[int, int]:
+    """HYV4VLVideoProcessor.smart_resize: the largest (rows, cols) of merged patches along the frame's aspect
+    ray, never upscaled, whose tokens with a newline per row, rows * (cols + 1) per frame, fit the clip's budget
+    (max_pixels / factor**2 over all frames) and whose pixels fit `max_frame_pixels`; in pixels."""
+    if min(num_frames, height, width, factor, max_pixels, max_frame_pixels) <= 0:
+        raise MediaError(f"a {width}x{height} video of {num_frames} frames cannot be sized", TOO_SMALL)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise MediaError(f"aspect ratio {ratio:.1f} of {width}x{height} frames is above the limit of "
+                         f"{MAX_ASPECT_RATIO}", ASPECT_RATIO)
+    budget = max_pixels // (factor * factor)
+    for rows in range(max(1, height // factor), 0, -1):
+        # Along the ray, `rows` merged rows go with these columns; a single row takes any narrower width.
+        low = 1 if rows == 1 else max(1, width * rows // height)
+        high = min(max(1, width // factor), max(1, -(-width * (rows + 1) // height) - 1))
+        cols = min(high, budget // (num_frames * rows) - 1 if budget > 0 else 0,
+                   max_frame_pixels // (factor * factor * rows))
+        if cols >= low:
+            return rows * factor, cols * factor
+    return factor, factor
+
+
+# -- VideoLLaMA3: transformers VideoLlama3VideoProcessor ------------------------------------------
+
+
+def videollama3_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = 1.0,
+                              num_frames: int | None = None, min_frames: int = 4, max_frames: int = 180,
+                              temporal_patch_size: int = 1) -> np.ndarray:
+    """VideoLlama3VideoProcessor.sample_frames: duration * fps frames clamped to [min_frames, max_frames] and to
+    the frames there are, floored to the temporal patch (or `num_frames` rounded to it), spread as
+    torch.arange(0, total, total / n) truncated; every frame without fps nor num_frames."""
+    tps = temporal_patch_size
+    if num_frames is not None:
+        num_frames = round(num_frames / tps) * tps
+    elif fps is not None:
+        cap = math.floor(min(max_frames, total_frames) / tps) * tps
+        wanted = min(max(total_frames / video_fps * fps, min_frames), cap, total_frames)
+        num_frames = math.floor(wanted / tps) * tps
+    if num_frames is None:
+        return np.arange(total_frames, dtype=np.int64)
+    if not 0 < num_frames <= total_frames:
+        raise MediaError(reason=f"sampling asks for {num_frames} frames; the video has {total_frames} in range",
+                         code=INVALID_OPTION if num_frames > total_frames else TOO_FEW_FRAMES)
+    return float32_arange_int(total_frames, total_frames / num_frames)
+
+
 # -- planning -------------------------------------------------------------------------------------
 
 
@@ -339,7 +463,7 @@ def plan_sampling(
     first, last, count = frame_range(total_frames, video_fps, video_start, video_end)
     want_fps = vcfg.fps if fps is None else fps
     lo_px = vcfg.min_pixels if min_pixels is None else min_pixels
-    factor = cfg.factor
+    factor = cfg.video_factor
     rules = video_sampling(cfg)
     dynamic = False  # the family's processor chose the rate itself (GLM-4.6V): no requested fps to report
     if rules == "qwen2":
@@ -457,6 +581,61 @@ def plan_sampling(
 
         def content(height: int, width: int) -> tuple[int, int]:
             return navit_image_size(height, width, cfg, hi_px, video_rules)[0]
+
+    elif rules == "minimax":
+        # Frames a second apart (at the config's fps); a request's nframes, or more frames than max_frames,
+        # spread evenly over the clip instead. Each frame is sized alone, as the image rule does.
+        cap = vcfg.max_frames if max_frames is None else max_frames
+        indices = minimax_frame_indices(count, video_fps, want_fps)
+        if nframes is not None or len(indices) > cap:
+            adjusted = None if nframes is not None else "max_frames"
+            indices = np.linspace(0, count - 1, nframes or cap).round().astype(np.int64)
+        elif len(indices) < max(math.floor(count / video_fps * want_fps), 1):
+            adjusted = "frame_count"  # fps above the video's
+        indices = first + indices
+        n = len(indices)
+        hi_frame = vcfg.max_pixels if max_pixels is None else max_pixels
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return smart_resize(height, width, factor, lo_px, hi_frame)
+
+    elif rules == "ernie":
+        # No rate in the config (0): every frame, within [min_frames, max_frames]; a request's fps sets one.
+        rate = want_fps if want_fps and nframes is None else None
+        indices = first + ernie_frame_indices(
+            count, video_fps, fps=rate, num_frames=nframes,
+            min_frames=vcfg.min_frames if min_frames is None else min_frames,
+            max_frames=vcfg.max_frames if max_frames is None else max_frames)
+        n = len(indices)
+        hi_frame = vcfg.max_pixels if max_pixels is None else max_pixels
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            return smart_resize(height, width, factor, lo_px, hi_frame)
+    elif rules in ("hy_v4_vl", "video_llama_3"):
+        lo_frames = vcfg.min_frames if min_frames is None else min_frames
+        hi_frames = vcfg.max_frames if max_frames is None else max_frames
+        hi_budget = vcfg.max_pixels if max_pixels is None else max_pixels
+        if total_pixels is not None:
+            hi_budget = min(hi_budget, total_pixels)
+        if rules == "hy_v4_vl":
+            indices = hy4_frame_indices(count, video_fps, fps=want_fps, num_frames=nframes, min_frames=lo_frames,
+                                        max_frames=hi_frames)
+        else:
+            indices = videollama3_frame_indices(count, video_fps, fps=want_fps, num_frames=nframes,
+                                                min_frames=lo_frames, max_frames=hi_frames,
+                                                temporal_patch_size=cfg.temporal_patch_size)
+        if nframes is None:
+            wanted = count / video_fps * want_fps
+            adjusted = _fps_adjustment(int(wanted) if rules == "hy_v4_vl" else wanted, len(indices), hi_frames, count)
+        indices = first + indices
+        n = len(indices)
+        frame_cap = vcfg.frame_pixels or hi_budget
+
+        def size(height: int, width: int) -> tuple[int, int]:
+            if rules == "hy_v4_vl":  # frames never grow; the clip's tokens (newlines counted) fit its budget
+                return hy4_frame_size(height, width, n, factor=factor, max_pixels=int(hi_budget),
+                                      max_frame_pixels=frame_cap)
+            return smart_resize(height, width, factor, lo_px, int(hi_budget) // n)  # the budget shared by frames
 
     else:
         raise ValueError(f"no video sampling rules for model family {cfg.family!r}")
