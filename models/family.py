@@ -8,6 +8,7 @@ needs a part none of the others has gives its own `tower` subclass that adds it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -42,7 +43,15 @@ class Family:
     # tensors in the checkpoints (releases and transformers' save_pretrained; tried in order, only these
     # tensors are read).
     config_path: tuple[str, ...] = ("vision_config",)
+    # Settings of the whole model's config the tower needs beside its vision config, as (attribute set on a
+    # copy of the vision config, dotted path in the whole config): the language model's width a projection
+    # after the merger maps to.
+    config_from_model: tuple[tuple[str, str], ...] = ()
     prefixes: tuple[str, ...] = ("model.visual.", "visual.")
+    # Checkpoint prefixes that hold parts of the tower under other names, as (checkpoint prefix, tower name
+    # prefix): a projection kept beside the vision model, or vision tensors stored with no prefix at all
+    # (flat `blocks.*`, `merger.*`). Tried before `prefixes`.
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
     dims: Callable[[Any], Dims] = standard_dims
     # The tower's parts.
     norm: Literal["layer", "rms"] = "layer"  # every norm of the tower
@@ -60,11 +69,15 @@ class Family:
     merger: Literal["mlp", "linear_fc"] = "mlp"  # parameter layout of the mergers (models.layers.Merger)
     deepstack: str | None = None  # attribute holding the DeepStack mergers; None: no DeepStack
     # Preprocessing and hand-off.
-    # How images are sized: Qwen2VLImageProcessor's smart_resize (bounds on H*W) or Glm4vImageProcessor's
-    # (an image is a clip of temporal_patch_size frames: bounds on T*H*W). Videos: qwen-vl-utils' rules,
-    # Qwen3VLVideoProcessor's or Glm4vVideoProcessor's (service/media/video_sampling.py).
-    image_sizing: Literal["qwen2", "glm4v"] = "qwen2"
-    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v"] = "qwen2"
+    # How images are sized: Qwen2VLImageProcessor's smart_resize (bounds on H*W), Glm4vImageProcessor's
+    # (an image is a clip of temporal_patch_size frames: bounds on T*H*W) or Glm5NextImageProcessor's (the
+    # same bounds, sides rounded up, the content padded). Videos: qwen-vl-utils' rules, Qwen3VLVideoProcessor's
+    # or those of GLM's video processors (service/media/video_sampling.py).
+    image_sizing: Literal["qwen2", "glm4v", "glm5"] = "qwen2"
+    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v", "glmga", "glm5"] = "qwen2"
+    # The processor classes' own defaults where a checkpoint's configs may leave a setting out ({"image": {...},
+    # "video": {...}}, in the configs' keys): where they differ from ProcessorConfig's.
+    processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # The seconds each temporal grid step spans, in vLLM 0.33's M-RoPE for video embeddings: its parser takes
@@ -89,9 +102,18 @@ class Family:
         return replace(self, **changes)
 
     def vision_config(self, config: Any) -> Any:
-        """The vision config inside a whole model's config (nested: `thinker_config.vision_config`)."""
+        """The vision config inside a whole model's config (nested: `thinker_config.vision_config`), with the
+        `config_from_model` settings on a copy."""
+        whole = config
         for name in self.config_path:
             config = getattr(config, name)
+        if self.config_from_model:
+            config = copy.copy(config)
+            for attribute, path in self.config_from_model:
+                value = whole
+                for name in path.split("."):
+                    value = getattr(value, name)
+                setattr(config, attribute, value)
         return config
 
 

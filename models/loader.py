@@ -3,7 +3,8 @@
 The checkpoint's `model_type` picks the family (models/families/), which says where the vision config
 sits in config.json and which key prefixes hold the vision tensors (e.g. `visual.*` in Qwen2-VL and
 Qwen2.5-VL releases, `model.visual.*` in later ones and in transformers 5 `save_pretrained`,
-`thinker.visual.*` in the Omni models). Only those tensors are read, lazily through `safe_open`, from
+`thinker.visual.*` in the Omni models, flat `blocks.*` / `merger.*` in Cosmos3's, a projection beside the
+vision model in HyperCLOVAX's: `Family.renamed_prefixes`). Only those tensors are read, lazily through `safe_open`, from
 one file or from the shards a `model.safetensors.index.json` names.
 """
 
@@ -25,6 +26,9 @@ from models.presets import PRESETS, Preset
 from models.tower import QwenTower
 
 log = logging.getLogger("vitserve.models")
+
+# (checkpoint key prefix, tower name prefix) pairs: Family.renamed_prefixes
+Renames = tuple[tuple[str, str], ...]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -87,7 +91,7 @@ def _random_tower(name: str, preset: Preset, dev: torch.device, dt: torch.dtype,
     from models.presets import full_config
 
     cfg = full_config(preset)
-    processor = ProcessorConfig.from_dicts(preset.family, preset.preprocessor, preset.video_preprocessor)
+    processor = processor_config(preset.family, preset.preprocessor, preset.video_preprocessor)
     tower = build_tower(preset.family, family_of(preset.family).vision_config(cfg), processor, backend)
     tower.to_empty(device=dev)
     init_random(tower, seed)
@@ -146,7 +150,8 @@ def _one_line(exc: BaseException) -> str:
 def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend: str) -> QwenTower:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, backend)
-    tensors = read_vision_tensors(folder, FAMILIES[family].prefixes)
+    spec = FAMILIES[family]
+    tensors = read_vision_tensors(folder, spec.prefixes, spec.renamed_prefixes)
     tower.to_empty(device=dev).to(dt)
     load_state(tower, tensors, folder)  # copies, converting to the serving dtype
     tower.reset_buffers()
@@ -165,7 +170,8 @@ def check_model(model: str) -> str:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, "sdpa")  # on the meta device: shapes only
     try:
-        shapes = vision_tensor_shapes(folder, FAMILIES[family].prefixes)
+        spec = FAMILIES[family]
+        shapes = vision_tensor_shapes(folder, spec.prefixes, spec.renamed_prefixes)
     except (OSError, ValueError) as exc:  # safetensors' own errors are both
         raise CheckpointError(f"{folder}: the safetensors cannot be read: {_one_line(exc)}") from None
     problems = weight_problems({k: tuple(v.shape) for k, v in tower.state_dict().items()}, shapes)
@@ -188,26 +194,29 @@ def checkpoint_files(folder: Path, prefixes: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def read_vision_tensors(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Vision tensors keyed without their prefix, read lazily (text, audio and other weights are never loaded)."""
-    return _read_vision(folder, prefixes, lambda f, key: f.get_tensor(key))
+def read_vision_tensors(folder: Path, prefixes: tuple[str, ...], renamed: Renames = ()) -> dict[str, torch.Tensor]:
+    """Vision tensors keyed by the tower's names, read lazily (text, audio and other weights are never loaded):
+    a key under one of `renamed`'s checkpoint prefixes takes the tower's prefix instead, one under `prefixes`
+    loses it."""
+    return _read_vision(folder, prefixes, renamed, lambda f, key: f.get_tensor(key))
 
 
-def vision_tensor_shapes(folder: Path, prefixes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+def vision_tensor_shapes(folder: Path, prefixes: tuple[str, ...], renamed: Renames = ()) -> dict[str, tuple[int, ...]]:
     """The vision tensors' shapes, from the safetensors headers alone."""
-    return _read_vision(folder, prefixes, lambda f, key: tuple(f.get_slice(key).get_shape()))
+    return _read_vision(folder, prefixes, renamed, lambda f, key: tuple(f.get_slice(key).get_shape()))
 
 
-def _read_vision(folder: Path, prefixes: tuple[str, ...], read: Any) -> dict[str, Any]:
+def _read_vision(folder: Path, prefixes: tuple[str, ...], renamed: Renames, read: Any) -> dict[str, Any]:
     from safetensors import safe_open
 
+    mapping = [*renamed, *((prefix, "") for prefix in prefixes)]
     out: dict[str, Any] = {}
-    for path in checkpoint_files(folder, prefixes):
+    for path in checkpoint_files(folder, tuple(source for source, _ in mapping)):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                for prefix in prefixes:
-                    if key.startswith(prefix):
-                        out[key[len(prefix) :]] = read(f, key)
+                for source, target in mapping:
+                    if key.startswith(source):
+                        out[target + key[len(source) :]] = read(f, key)
                         break
     return out
 
@@ -252,6 +261,17 @@ def processor_config_from_folder(folder: str | Path, family: str) -> ProcessorCo
     # Qwen2-VL's videos follow qwen-vl-utils, whose defaults are VideoConfig's
     if video is None and spec is not None and spec.video_sampling != "qwen2":
         video = image
+    return processor_config(family, image, video)
+
+
+def processor_config(family: str, image: dict[str, Any], video: dict[str, Any] | None) -> ProcessorConfig:
+    """`ProcessorConfig.from_dicts` over the family's processor defaults: what its processor classes assume
+    where a config leaves a setting out (Family.processor_defaults)."""
+    spec = FAMILIES.get(family)
+    defaults = spec.processor_defaults if spec else {}
+    image = {**defaults.get("image", {}), **image}
+    if video is not None:
+        video = {**defaults.get("video", {}), **video}
     return ProcessorConfig.from_dicts(family, image, video)
 
 

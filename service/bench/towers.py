@@ -188,12 +188,29 @@ def hf_visual(tower):
         if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
             n = m.inv_freq.numel()
             m.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.float, device=dev) / (2 * n)))
+    if hasattr(tower, "projector"):  # the model's image features are the projection's (models/projection.py)
+        projector = model.model.projector.to_empty(device=dev)
+        projector.load_state_dict(tower.projector.state_dict())
+        return ProjectedVisual(visual, projector).eval()
     return visual.eval()
+
+
+class ProjectedVisual(torch.nn.Module):
+    """transformers' vision model followed by the whole model's projection (HyperCLOVAX), as its
+    `get_image_features` runs them."""
+
+    def __init__(self, visual: torch.nn.Module, projector: torch.nn.Module) -> None:
+        super().__init__()
+        self.visual, self.projector = visual, projector
+
+    def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        merged, _ = hf_outputs(self.visual(x, grid_thw=grid_thw))
+        return self.projector(merged)
 
 
 def vision_module(model) -> torch.nn.Module:
     """The vision model inside a transformers model (the Omni models keep it in their thinker)."""
-    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual"):
+    for path in ("thinker.model.visual", "thinker.visual", "model.visual", "visual", "model.vision_model"):
         found = model
         for name in path.split("."):
             found = getattr(found, name, None)
