@@ -123,6 +123,71 @@ def clip_smart_resize(
     return h_bar, w_bar
 
 
+def budget_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int = 2,
+    factor: int = 28,
+    min_pixels: float = 16 * 2 * 28 * 28,
+    max_pixels: float = 8000 * 2 * 28 * 28,
+) -> tuple[int, int]:
+    """The canvas (height, width) of GLM-5's processors: sides rounded UP to multiples of `factor`, T*H*W (T
+    rounded to `temporal_factor`, at least one temporal patch) at least `min_pixels` (scaled up, as in
+    `clip_smart_resize`) and at most `max_pixels`: the largest canvas of the content's aspect ratio under that
+    bound, found by bisection over the content's height. The content itself keeps its size or shrinks into
+    the canvas (`padded_content`); the rest is zero padding.
+
+    Same arithmetic as transformers' Glm5NextImageProcessor `smart_resize`, whose bounds are in tokens of
+    temporal_factor * factor**2 pixels: min_image_tokens and max_image_tokens times that.
+    """
+    if height <= 0 or width <= 0:
+        raise MediaError(f"image is {width}x{height}: it has no pixels", TOO_SMALL)
+    frames = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
+    h_bar, w_bar = math.ceil(height / factor) * factor, math.ceil(width / factor) * factor
+    if frames * h_bar * w_bar < min_pixels:
+        scale = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(max(1, math.ceil(height * scale)) / factor) * factor
+        w_bar = math.ceil(max(1, math.ceil(width * scale)) / factor) * factor
+    if frames * h_bar * w_bar <= max_pixels:
+        return h_bar, w_bar
+    if max_pixels < frames * factor * factor:
+        raise MediaError(
+            f"max_pixels={max_pixels:g} is below one {factor}x{factor} patch of {frames} frames", INVALID_PIXEL_BOUNDS
+        )
+    low, high, best = 1, height, (factor, factor)
+    while low <= high:
+        content_h = (low + high) // 2
+        content_w = max(1, math.floor(width * content_h / height))
+        canvas = (math.ceil(content_h / factor) * factor, math.ceil(content_w / factor) * factor)
+        if frames * canvas[0] * canvas[1] <= max_pixels:
+            best, low = canvas, content_h + 1
+        else:
+            high = content_h - 1
+    return best
+
+
+def padded_content(num_frames: int, height: int, width: int, canvas: tuple[int, int], min_pixels: float
+                   ) -> tuple[int, int]:
+    """The (height, width) GLM-5's processors resize the content to before padding it to `canvas` (bottom and
+    right, zeros): the canvas's scale for the tighter side, never enlarging unless the clip (num_frames *
+    height * width) is below `min_pixels`."""
+    scale = min(canvas[0] / height, canvas[1] / width)
+    if num_frames * height * width >= min_pixels:
+        scale = min(1.0, scale)
+    return max(1, min(canvas[0], math.floor(height * scale))), max(1, min(canvas[1], math.floor(width * scale)))
+
+
+def pad_to(image: Image.Image, width: int, height: int) -> Image.Image:
+    """`image` in the top-left corner of a black width x height canvas."""
+    if image.size == (width, height):
+        return image
+    canvas = Image.new(image.mode, (width, height))
+    canvas.paste(image, (0, 0))
+    return canvas
+
+
 def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
     """uint8 [grid_h*grid_w, 3*T*P*P] patches of an RGB image whose sides are multiples of P*merge.
 
@@ -163,7 +228,11 @@ def image_grid(
     T*H*W with T = temporal_patch_size (an image is a clip of T identical frames there).
     """
     lo, hi = _pixel_bounds(cfg, min_pixels, max_pixels)
-    if image_sizing(cfg) == "glm4v":
+    if image_sizing(cfg) == "glm5":
+        tps = cfg.temporal_patch_size
+        new_h, new_w = budget_resize(tps, height, width, temporal_factor=tps, factor=cfg.factor, min_pixels=lo,
+                                     max_pixels=hi)
+    elif image_sizing(cfg) == "glm4v":
         tps = cfg.temporal_patch_size
         new_h, new_w = clip_smart_resize(
             tps, height, width, temporal_factor=tps, factor=cfg.factor, min_pixels=lo, max_pixels=hi
@@ -217,10 +286,16 @@ def preprocess_image(
         check_tokens(grid, cfg, max_tokens)
     if image.mode != "RGB" or has_alpha(image):
         image = to_rgb(image)
-    if (new_w, new_h) != (width, height):
+    content_h, content_w = new_h, new_w
+    if image_sizing(cfg) == "glm5":  # the content shrinks into the canvas, zeros pad the rest
+        lo, _ = _pixel_bounds(cfg, min_pixels, max_pixels)
+        tps = cfg.temporal_patch_size
+        content_h, content_w = padded_content(tps, height, width, (new_h, new_w), lo)
+    if (content_w, content_h) != (width, height):
         # Same call as the reference PIL backend (uint8 RGB, bicubic, no reducing_gap); when the size
         # already fits the reference resizes to the same size, which is a plain copy, so we skip it.
-        image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
+        image = image.resize((content_w, content_h), Image.Resampling.BICUBIC)
+    image = pad_to(image, new_w, new_h)
     pixels = patchify(image, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     return VisualInput(
         modality="image",

@@ -35,6 +35,7 @@ from PIL import Image
 
 from models.config import ProcessorConfig, VisualInput
 from service.media.errors import TOO_MANY_ITEM_TOKENS, TOO_MUCH_WORK, MediaError
+from service.media.image_preprocess import pad_to
 from service.media.limits import DEFAULT_DECODE_THREADS, DEFAULT_LIMITS, MediaLimits
 from service.media.video import VideoInfo, VideoReader
 from service.media.video_sampling import SamplingPlan, VideoOptions, plan_sampling
@@ -59,8 +60,11 @@ class _PatchWriter:
         size: Callable[[int, int], tuple[int, int]],
         workers: int,
         max_tokens: int | None = None,
+        content: Callable[[int, int], tuple[int, int]] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.content = content  # where frames are resized into a zero-padded canvas (GLM-5)
+        self.content_size: tuple[int, int] | None = None
         self.max_tokens = max_tokens
         self.slots_of = slots_of
         self.num_slots = num_slots
@@ -89,6 +93,7 @@ class _PatchWriter:
         p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         h, w = self.size(height, width)
         self.orig_size, self.resized = (height, width), (h, w)
+        self.content_size = self.content(height, width) if self.content else (h, w)
         bh, bw = h // (p * m), w // (p * m)
         if self.max_tokens is not None:
             # The plan checked the header's size; the frames themselves decide (a header may lie).
@@ -98,12 +103,14 @@ class _PatchWriter:
         self._dst = self._out.view(np.dtype((np.void, p))).reshape(self._out.shape[:-1] + (p,))
 
     def _write(self, position: int, rgb: np.ndarray) -> None:
-        assert self._dst is not None and self.resized is not None
+        assert self._dst is not None and self.resized is not None and self.content_size is not None
         p, m, tps = self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
         h, w = self.resized
+        content_h, content_w = self.content_size
         image = Image.fromarray(rgb)
-        if image.size != (w, h):
-            image = image.resize((w, h), Image.Resampling.BICUBIC)
+        if image.size != (content_w, content_h):
+            image = image.resize((content_w, content_h), Image.Resampling.BICUBIC)
+        image = pad_to(image, w, h)
         row = np.dtype((np.void, p))
         for channel, band in enumerate("RGB"):
             # Planar bytes from PIL, viewed as (block row, merge row, patch row, block col, merge col).
@@ -273,7 +280,8 @@ def preprocess_video_bytes(
             slots_of.setdefault(position, []).append(slot)
         n_workers = workers if workers is not None else min(4, os.cpu_count() or 1)
         writer = _PatchWriter(
-            cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens
+            cfg, slots_of, len(slots), plan.sampling.size, max(1, n_workers), max_tokens=limits.max_tokens,
+            content=plan.sampling.content,
         )
         try:
             reader.read(plan.positions, writer)
