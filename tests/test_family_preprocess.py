@@ -40,7 +40,7 @@ for _name, _preset in PRESETS.items():
 # import without torchvision): the sampling rule the description must name.
 VIDEO_RULES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_omni": "qwen2", "qwen3_omni_moe": "qwen2",
                "exaone4_5": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
-               "qwen3_5_moe": "qwen3"}
+               "qwen3_5_moe": "qwen3", "qwen4_exp": "qwen3", "cosmos3_omni": "qwen3", "hyperclovax_vision_v2": "qwen2"}
 SIZES = [(97, 143), (300, 500), (37, 810), (64, 64)]  # (width, height)
 
 

@@ -3,8 +3,12 @@
 
 from models.families import (  # noqa: F401  (registration)
     cohere_compass,
+    cosmos3_omni,
     exaone4_5,
     glm4v,
+    glm5_next,
+    glmga,
+    hyperclovax_vision_v2,
     qwen2_5_omni,
     qwen2_5_vl,
     qwen2_vl,
@@ -12,6 +16,7 @@ from models.families import (  # noqa: F401  (registration)
     qwen3_omni_moe,
     qwen3_vl,
     qwen3_vl_moe,
+    qwen4_exp,
 )
 from models.family import FAMILIES, Family
 

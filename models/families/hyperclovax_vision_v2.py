@@ -1,0 +1,21 @@
+"""HyperCLOVAX-SEED Vision V2 (HyperCLOVAX-SEED-Think-32B): Qwen2.5-VL's tower (`model.vision_model.*`) and one
+Linear after it to the language model's width (`model.vision_projector.*`, `model.projector.*` once loaded by
+transformers): the model's image and video features (`get_image_features`) are the projection's output, and so
+are this family's embeddings. Images as Qwen2-VL's processor, videos as Qwen2-VL's video processor.
+
+vLLM 0.33 (HCXVisionV2ForCausalLM) runs its own projector over `image_embeds` parts, so its inline parts want the
+tower's output before the projection: the hand-off keeps the media part with the uuid, as for GLM, and vLLM as
+an encoder-cache consumer loads these embeddings (its encoder output is the projection's too)."""
+
+from models.families.qwen2_5_vl import QWEN2_5_VL
+from models.family import register
+from models.projection import ProjectedTower
+
+HYPERCLOVAX_VISION_V2 = register(QWEN2_5_VL.derive(
+    model_type="hyperclovax_vision_v2", title="HyperCLOVAX-SEED Vision V2",
+    prefixes=("model.vision_model.", "vision_model."),
+    renamed_prefixes=(("model.vision_projector.", "projector."), ("model.projector.", "projector.")),
+    config_from_model=(("projection_size", "text_config.hidden_size"),), tower=ProjectedTower,
+    vllm_video_seconds=None,  # its language model has no M-RoPE
+    vllm_embedding_parts=False, hf_class="HyperCLOVAXVisionV2ForConditionalGeneration",
+))
