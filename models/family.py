@@ -89,7 +89,8 @@ class Family:
     # transformers' image processor class whose output the server reproduces (the reference in tests)
     image_processor: str = "Qwen2VLImageProcessor"
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
-    # none, so its hand-off part keeps the media and names the cached encoder output by uuid.
+    # none (nor does HyperCLOVAX's), so its hand-off part keeps the media and names the cached encoder output by
+    # uuid.
     vllm_embedding_parts: bool = True
     # transformers' class of the whole model (what save_pretrained writes; the reference in tests and bench)
     hf_class: str = ""

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.cuda
 FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "random:glm-4.1v-9b",
         "random:qwen3-vl-30b-a3b", "random:qwen3.5-27b", "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b",
         "random:exaone-4.5-33b"]
+FULL += ["random:qwen3.8-flash-next", "random:cosmos3-nano", "random:hyperclovax-seed-think-32b",
+         "random:glm-5.3-flash"]
 DEV = torch.device("cuda")
 
 

@@ -3,9 +3,10 @@ Linear after it to the language model's width (`model.vision_projector.*`, `mode
 transformers): the model's image and video features (`get_image_features`) are the projection's output, and so
 are this family's embeddings. Images as Qwen2-VL's processor, videos as Qwen2-VL's video processor.
 
-vLLM 0.33 (HCXVisionV2ForCausalLM) runs its own projector over `image_embeds` parts, so its inline parts want the
-tower's output before the projection: the hand-off keeps the media part with the uuid, as for GLM, and vLLM as
-an encoder-cache consumer loads these embeddings (its encoder output is the projection's too)."""
+vLLM 0.33's processor for it (HCXVisionV2ForCausalLM) reads embedding parts as media and fails, and its model
+would run its own projector over `image_embeds` (the tower's output before the projection): the hand-off keeps
+the media part with the uuid, as for GLM, and vLLM as an encoder-cache consumer loads these embeddings (its
+encoder output is the projection's too)."""
 
 from models.families.qwen2_5_vl import QWEN2_5_VL
 from models.family import register
