@@ -211,12 +211,16 @@ def test_full_size_parameter_counts_match_transformers(preset):
     processor = ProcessorConfig.from_dicts(p.family, p.preprocessor)
     ours = build_tower(p.family, SPECS[p.family].vision_config(cfg), processor, "sdpa")
     with torch.device("meta"):
-        ref = visual_of(getattr(transformers, CLASSES[p.family])._from_config(cfg))
+        model = getattr(transformers, CLASSES[p.family])._from_config(cfg)
+    ref = visual_of(model)
+    expected = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     count = lambda m: sum(x.numel() for x in m.parameters())  # noqa: E731
-    assert count(ours) == count(ref)
-    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == {
-        k: tuple(v.shape) for k, v in ref.state_dict().items()
-    }
+    if hasattr(ours, "projector"):  # a projection kept beside the vision model (models/projection.py)
+        expected.update({f"projector.{k}": tuple(v.shape) for k, v in model.model.projector.state_dict().items()})
+        assert count(ours) == count(ref) + count(model.model.projector)
+    else:
+        assert count(ours) == count(ref)
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == expected
     assert count(ours) > 400e6
 
 
