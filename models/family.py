@@ -39,6 +39,9 @@ class Family:
 
     model_type: str  # the `model_type` of the whole model's config.json
     title: str  # in logs and the README: "Qwen2.5-VL"
+    # Other `model_type`s a release's config.json carries for this family, which transformers' registry does not
+    # know (its own config class reads them): HyperCLOVAX-SEED's says "vlm".
+    config_model_types: tuple[str, ...] = ()
     # Where things are: the vision config's path inside the model config, and the prefixes of the vision
     # tensors in the checkpoints (releases and transformers' save_pretrained; tried in order, only these
     # tensors are read).

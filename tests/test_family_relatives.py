@@ -130,6 +130,23 @@ def test_both_key_layouts_load(checkpoint, tmp_path):
     assert torch.equal(run_ours(tower, IMAGE_GRIDS, pixels).embeds, run_ours(base, IMAGE_GRIDS, pixels).embeds)
 
 
+@pytest.mark.parametrize("checkpoint", ["tiny-hyperclovax-vision-v2"], indirect=True)
+def test_a_config_naming_the_hub_s_model_type_loads(checkpoint, tmp_path):
+    """HyperCLOVAX's config class takes `model_type: "vlm"` (and a "qwen2_5_vl" vision config), which transformers'
+    registry does not know: the loader reads such a folder with that class, to the same tower."""
+    _, folder, _ = checkpoint
+    other = tmp_path / "vlm"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    config["model_type"], config["vision_config"]["model_type"] = "vlm", "qwen2_5_vl"
+    (other / "config.json").write_text(json.dumps(config))
+    assert check_model(str(other)) == "hyperclovax_vision_v2"
+    base = load_tower(str(folder), device="cpu", dtype="float32")
+    tower = load_tower(str(other), device="cpu", dtype="float32")
+    pixels = random_pixels(base, IMAGE_GRIDS)
+    assert torch.equal(run_ours(tower, IMAGE_GRIDS, pixels).embeds, run_ours(base, IMAGE_GRIDS, pixels).embeds)
+
+
 def test_the_parts_these_families_add_matter():
     """GLM-5's clamp changes its output (the tiny preset clamps at 0.1, which its activations pass), and
     HyperCLOVAX's output is the projection's: the language model's width (64), not the merger's (80)."""

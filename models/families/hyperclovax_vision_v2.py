@@ -1,7 +1,9 @@
 """HyperCLOVAX-SEED Vision V2 (HyperCLOVAX-SEED-Think-32B): Qwen2.5-VL's tower (`model.vision_model.*`) and one
 Linear after it to the language model's width (`model.vision_projector.*`, `model.projector.*` once loaded by
 transformers): the model's image and video features (`get_image_features`) are the projection's output, and so
-are this family's embeddings. Images as Qwen2-VL's processor, videos as Qwen2-VL's video processor.
+are this family's embeddings. transformers' config class for it takes a config.json naming `model_type: "vlm"`
+and a "qwen2_5_vl" vision config, as its code says the hub's does: so does the loader. Images as Qwen2-VL's
+processor, videos as Qwen2-VL's video processor.
 
 vLLM 0.33's processor for it (HCXVisionV2ForCausalLM) reads embedding parts as media and fails, and its model
 would run its own projector over `image_embeds` (the tower's output before the projection): the hand-off keeps
@@ -13,7 +15,7 @@ from models.family import register
 from models.projection import ProjectedTower
 
 HYPERCLOVAX_VISION_V2 = register(QWEN2_5_VL.derive(
-    model_type="hyperclovax_vision_v2", title="HyperCLOVAX-SEED Vision V2",
+    model_type="hyperclovax_vision_v2", title="HyperCLOVAX-SEED Vision V2", config_model_types=("vlm",),
     prefixes=("model.vision_model.", "vision_model."),
     renamed_prefixes=(("model.vision_projector.", "projector."), ("model.projector.", "projector.")),
     config_from_model=(("projection_size", "text_config.hidden_size"),), tower=ProjectedTower,
