@@ -118,15 +118,33 @@ class ProcessorConfig:
         size = image.get("size") or {}
         min_pixels = image.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels
         max_pixels = image.get("max_pixels") or size.get("longest_edge") or cls.max_pixels
+        for config in (image, video or {}):
+            if int(config.get("patch_expand_factor") or 1) != 1:  # GLM's processors: resize to a coarser grid
+                raise ValueError(f"patch_expand_factor {config['patch_expand_factor']} is not supported (only 1)")
+        # GLM-5's processors bound an item by merged tokens, each temporal_patch_size frames of (patch * merge)**2
+        # pixels: the same T*H*W bounds in other units (Muse's processors count their `max_image_tokens` otherwise:
+        # its own reader, models/families/muse_glimmer.py, sets its bounds over these)
+        token_pixels = int(image.get("temporal_patch_size", 2)) * (
+            int(image.get("patch_size", 14)) * int(image.get("merge_size", 2))) ** 2
+        if "min_image_tokens" in image:
+            min_pixels = image["min_image_tokens"] * token_pixels
+        if "max_image_tokens" in image:
+            max_pixels = image["max_image_tokens"] * token_pixels
         video_cfg = VideoConfig()
         if video:
             vsize = video.get("size") or {}
+            vmin = video.get("min_pixels") or vsize.get("shortest_edge") or video_cfg.min_pixels
+            vmax = video.get("max_pixels") or vsize.get("longest_edge") or video_cfg.max_pixels
+            if "min_image_tokens" in video:
+                vmin = video["min_image_tokens"] * token_pixels
+            if "max_image_tokens" in video:
+                vmax = video["max_image_tokens"] * token_pixels
             video_cfg = VideoConfig(
                 fps=float(video.get("fps", video_cfg.fps)),
                 min_frames=int(video.get("min_frames", video_cfg.min_frames)),
                 max_frames=int(video.get("max_frames", video_cfg.max_frames)),
-                min_pixels=int(video.get("min_pixels") or vsize.get("shortest_edge") or video_cfg.min_pixels),
-                max_pixels=int(video.get("max_pixels") or vsize.get("longest_edge") or video_cfg.max_pixels),
+                min_pixels=int(vmin),
+                max_pixels=int(vmax),
                 total_pixels=int(video.get("total_pixels", video_cfg.total_pixels)),
                 processor_class=str(video.get("video_processor_type") or ""),
                 timestamp_font=str(video.get("font") or "") if video.get("draw_on_frames") else "",

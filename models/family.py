@@ -38,6 +38,9 @@ class Family:
 
     model_type: str  # the `model_type` of the whole model's config.json
     title: str  # in logs and the README: "Qwen2.5-VL"
+    # Other `model_type`s a release's config.json carries for this family, which transformers' registry does not
+    # know (its own config class reads them): HyperCLOVAX-SEED's says "vlm".
+    config_model_types: tuple[str, ...] = ()
     # Where things are: the vision config's path inside the model config, and the prefixes of the vision
     # tensors in the checkpoints (releases and transformers' save_pretrained; tried in order, only these
     # tensors are read).
@@ -66,11 +69,14 @@ class Family:
     merger: Literal["mlp", "linear_fc"] = "mlp"  # parameter layout of the mergers (models.layers.Merger)
     deepstack: str | None = None  # attribute holding the DeepStack mergers; None: no DeepStack
     # Preprocessing and hand-off.
-    # How images are sized: Qwen2VLImageProcessor's smart_resize (bounds on H*W) or Glm4vImageProcessor's
-    # (an image is a clip of temporal_patch_size frames: bounds on T*H*W). Videos: qwen-vl-utils' rules,
-    # Qwen3VLVideoProcessor's, Glm4vVideoProcessor's or the family's own (service/media/video_sampling.py).
-    image_sizing: Literal["qwen2", "glm4v"] = "qwen2"
-    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v", "minimax", "ernie"] = "qwen2"
+    # How images are sized: Qwen2VLImageProcessor's smart_resize (bounds on H*W), Glm4vImageProcessor's
+    # (an image is a clip of temporal_patch_size frames: bounds on T*H*W), Glm5NextImageProcessor's (the same
+    # bounds, sides rounded up, the content shrunk into that canvas and zero-padded) or the family's own.
+    # Videos: qwen-vl-utils' rules, Qwen3VLVideoProcessor's, GLM's video processors' or the family's own
+    # (service/media/rules.py, service/media/video_sampling.py).
+    image_sizing: Literal["qwen2", "glm4v", "glm5", "paddleocr_vl", "kimi", "muse"] = "qwen2"
+    video_sampling: Literal["qwen2", "qwen3", "glm4v", "glm46v", "glmga", "glm5", "kimi", "muse", "minimax", "ernie",
+                            "hy_v4_vl", "video_llama_3"] = "qwen2"
     video: bool = True  # the model takes videos
     video_timestamps: bool = False  # vLLM wants `timestamps` with video embeddings
     # The seconds each temporal grid step spans, in vLLM 0.33's M-RoPE for video embeddings: its parser takes
@@ -92,7 +98,8 @@ class Family:
     # what a config says).
     processor_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     # vLLM's processor for the family takes `image_embeds` / `video_embeds` parts. vLLM 0.33's GLM-4.1V takes
-    # none, so its hand-off part keeps the media and names the cached encoder output by uuid.
+    # none (nor does HyperCLOVAX's), so its hand-off part keeps the media and names the cached encoder output by
+    # uuid.
     vllm_embedding_parts: bool = True
     # The media vLLM 0.33 takes for the family as vitserve encodes them: none where vLLM does not serve the
     # family, images alone where its videos take a path of their own; the others' parts carry a warning.

@@ -175,6 +175,14 @@ def activate(h: torch.Tensor, act: str, gated_width: int | None = None) -> torch
     return act_torch(h, act, gated_width)
 
 
+def clamped_swiglu(h: torch.Tensor, act: str, gated_width: int, limit: float) -> torch.Tensor:
+    """act(min(gate, limit)) * clamp(up, -limit, limit) with gate, up = h[:, :w], h[:, w:2w] (GLM-5's SwiGLU):
+    clamping rounds nothing, so this is the reference's arithmetic in the input dtype."""
+    gate = h[:, :gated_width].clamp(max=limit)
+    up = h[:, gated_width : 2 * gated_width].clamp(-limit, limit)
+    return ACTIVATIONS[act](gate) * up
+
+
 def linear_act(x: torch.Tensor, linear: nn.Linear, act: str) -> torch.Tensor:
     """act(linear(x)); tanh-GELU runs in cuBLASLt's epilogue, where it costs no extra pass."""
     if act == "gelu_pytorch_tanh" and linear.bias is not None and x.dim() == 2 and _use("gelu_epilogue", x):

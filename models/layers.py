@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import packed_attention
-from models.kernels import ACTIVATIONS, activate, add_norm, apply_rotary, linear_act
+from models.kernels import ACTIVATIONS, activate, add_norm, apply_rotary, clamped_swiglu, linear_act
 
 
 class PatchEmbed(nn.Module):
@@ -66,11 +66,15 @@ class GatedMlp(nn.Module):
     """SwiGLU. After loading, gate and up projections share one weight so a single GEMM computes
     both, and the intermediate width is zero-padded to a multiple of 64 (Qwen2.5-VL's 3420 is not
     a multiple of 8, which pushes cuBLAS onto slow kernels); padded units are exactly zero. The
-    checkpoint's parameter names stay as views into the fused tensors."""
+    checkpoint's parameter names stay as views into the fused tensors.
 
-    def __init__(self, dim: int, hidden: int, act: str, bias: bool = True) -> None:
+    `limit` (GLM-5): the gate is clamped to at most limit and the up projection to [-limit, limit] before
+    the activation (padded units stay zero)."""
+
+    def __init__(self, dim: int, hidden: int, act: str, bias: bool = True, limit: float | None = None) -> None:
         super().__init__()
         self.hidden = hidden
+        self.limit = limit
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
@@ -95,9 +99,15 @@ class GatedMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is None:
+            if self.limit is not None:
+                both = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+                return self.down_proj(clamped_swiglu(both, self.act, self.hidden, self.limit))
             return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
         weight, bias, down_weight, padded = self.fused
-        hidden = activate(F.linear(x, weight, bias), self.act, gated_width=padded)
+        if self.limit is None:
+            hidden = activate(F.linear(x, weight, bias), self.act, gated_width=padded)
+        else:
+            hidden = clamped_swiglu(F.linear(x, weight, bias), self.act, padded, self.limit)
         return F.linear(hidden, down_weight, self.down_proj.bias)
 
 

@@ -3,8 +3,9 @@
 The checkpoint's `model_type` picks the family (models/families/), which says where the vision config
 sits in config.json and which key prefixes hold the vision tensors (e.g. `visual.*` in Qwen2-VL and
 Qwen2.5-VL releases, `model.visual.*` in later ones and in transformers 5 `save_pretrained`,
-`thinker.visual.*` in the Omni models). Only those tensors are read, lazily through `safe_open`, from
-one file or from the shards a `model.safetensors.index.json` names.
+`thinker.visual.*` in the Omni models, flat `blocks.*` / `merger.*` in Cosmos3-Omni's, a projection beside
+the vision model in HyperCLOVAX's, each renamed to the tower's names: `Family.prefixes`). Only those tensors
+are read, lazily through `safe_open`, from one file or from the shards a `model.safetensors.index.json` names.
 """
 
 from __future__ import annotations
@@ -129,7 +130,13 @@ def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
     from transformers import AutoConfig  # seconds to import: only for a folder
 
     try:
-        cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        named = _family_named_otherwise(folder)
+        if named is not None:  # a model_type transformers' registry does not know: the family's own config class
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            cfg = CONFIG_MAPPING[named.model_type].from_pretrained(str(folder), local_files_only=True)
+        else:
+            cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable, not JSON, unknown model_type
         raise CheckpointError(f"{folder}/config.json cannot be read: {_one_line(exc)}") from None
     family = cfg.model_type
@@ -150,6 +157,16 @@ def _read_checkpoint_config(folder: Path) -> tuple[str, Any, ProcessorConfig]:
         raise CheckpointError(f"{folder}: the video processor draws timestamps with the font {Path(font).name!r}, "
                               "which is not in the folder")
     return family, vision_config, processor
+
+
+def _family_named_otherwise(folder: Path) -> Family | None:
+    """The family whose releases' config.json names it by another model_type (Family.config_model_types), if
+    this one does; JSON errors are left to transformers' reading, which reports them."""
+    try:
+        named = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((f for f in FAMILIES.values() if named in f.config_model_types), None)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -154,6 +154,21 @@ TINY_QWEN2_PRE = {**QWEN2_PRE, "max_pixels": 1003520}
 TINY_QWEN3_PRE = {**QWEN3_PRE, "size": {"shortest_edge": 65536, "longest_edge": 1048576}}
 TINY_QWEN3_VIDEO_PRE = {**QWEN3_VIDEO_PRE, "size": {"shortest_edge": 4096, "longest_edge": 4194304}}
 
+# GLM-5.3-Flash: Glm5NextVisionConfig's defaults; its processors' token bounds (images 16-8000 tokens, videos
+# 16-240000 over the clip) and frame sampling (2 fps, at most 2048 frames).
+GLM5_VISION = dict(depth=24, hidden_size=1024, intermediate_size=4096, out_hidden_size=1536, num_heads=16,
+                   patch_size=14, image_size=336, projection_intermediate_size=10240, swiglu_limit=10.0,
+                   attention_bias=True, hidden_act="silu")
+GLM5_PRE = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "min_image_tokens": 16,
+            "max_image_tokens": 8000}
+GLM5_VIDEO_PRE = {**GLM5_PRE, "max_image_tokens": 240000, "fps": 2, "max_frames": 2048}
+# GlmgaVideoProcessor's defaults: 2 fps, at most 640 frames, up to 28*28*2*55790 pixels over the clip.
+GLMGA_VIDEO_PRE = {**GLM_VIDEO_PRE, "size": {"shortest_edge": 12544, "longest_edge": 28 * 28 * 2 * 55790},
+                   "max_frames": 640}
+TINY_GLM = dict(depth=2, hidden_size=64, intermediate_size=96, out_hidden_size=80, num_heads=4, patch_size=14,
+                image_size=112)
+TINY_GLM_PRE = {**GLM_PRE, "size": {"shortest_edge": 12544, "longest_edge": 2007040}}
+
 PRESETS: dict[str, Preset] = {
     "random:qwen2-vl-7b": Preset(
         "qwen2_vl",
@@ -325,6 +340,36 @@ PRESETS: dict[str, Preset] = {
     "tiny-hy4": Preset("hy_v4_vl", {**TINY_HUNYUAN, "out_hidden_size": 48}, TINY_HUNYUAN_PRE, TINY_HY4_VIDEO_PRE),
     "tiny-videollama3": Preset("video_llama_3", TINY_VIDEOLLAMA3, TINY_VIDEOLLAMA3_PRE, TINY_VIDEOLLAMA3_VIDEO_PRE,
                                text={"hidden_size": 48}),
+    # Qwen3.8-Flash-Next: Qwen3.5-MoE's vision config, merging to its language model's 2048.
+    "random:qwen3.8-flash-next": Preset(
+        "qwen4_exp", {**QWEN3_VL_VISION, "out_hidden_size": 2048}, QWEN3_PRE, QWEN3_VIDEO_PRE
+    ),
+    # Cosmos3-Nano: Qwen3-VL's vision config (transformers' defaults for it) with DeepStack, at the width of its
+    # Qwen3-VL language model (4096).
+    "random:cosmos3-nano": Preset(
+        "cosmos3_omni", {**QWEN3_VL_VISION, **DEEPSTACK, "out_hidden_size": 4096}, QWEN3_PRE, QWEN3_VIDEO_PRE
+    ),
+    # HyperCLOVAX-SEED-Think-32B: a Qwen2.5-VL ViT (Qwen2.5-VL-7B's size) and its projection to the 32B language
+    # model's width (5120).
+    "random:hyperclovax-seed-think-32b": Preset("hyperclovax_vision_v2", QWEN2_5_VL_7B, QWEN2_PRE,
+                                                text={"hidden_size": 5120}),
+    "random:glm-5.3-flash": Preset("glm5_next", GLM5_VISION, GLM5_PRE, GLM5_VIDEO_PRE),
+    "tiny-qwen4-exp": Preset("qwen4_exp", TINY_QWEN3, TINY_QWEN3_PRE, TINY_QWEN3_VIDEO_PRE),
+    "tiny-cosmos3-omni": Preset(
+        "cosmos3_omni", {**TINY_QWEN3, "deepstack_visual_indexes": [0, 2]}, TINY_QWEN3_PRE, TINY_QWEN3_VIDEO_PRE
+    ),
+    "tiny-glmga": Preset("glmga", TINY_GLM, TINY_GLM_PRE, {**GLMGA_VIDEO_PRE, "size": {"shortest_edge": 12544,
+                                                                                        "longest_edge": 8028160}}),
+    # The projection (80 -> 64, full_config's text width) after Qwen2.5-VL's tiny tower.
+    "tiny-hyperclovax-vision-v2": Preset("hyperclovax_vision_v2", TINY_QWEN2_5, TINY_QWEN2_PRE),
+    # A clamp at 0.1: the tiny random weights' SwiGLU inputs reach past it, in the blocks and in the merger.
+    "tiny-glm5-next": Preset(
+        "glm5_next",
+        dict(depth=2, hidden_size=64, intermediate_size=96, out_hidden_size=48, num_heads=4, patch_size=14,
+             attention_bias=True, projection_intermediate_size=72, swiglu_limit=0.1),
+        {**GLM5_PRE, "max_image_tokens": 1280},
+        {**GLM5_VIDEO_PRE, "max_image_tokens": 5120},
+    ),
 }
 
 DEFAULT_MODEL = "tiny-qwen2-vl"
@@ -354,6 +399,20 @@ def full_config(preset: Preset):
         text.update(model_type="exaone4", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:
         text["rope_parameters"] = rope
+    if family in ("qwen4_exp", "cosmos3_omni"):  # Qwen3.5-MoE's and Qwen3-VL's text models
+        text["head_dim"] = 16
+        text["rope_parameters"] = {**rope, "mrope_interleaved": True}
+    if family == "qwen4_exp":  # linear attention only (its other layers need the sparse indexer's settings)
+        text.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                    layer_types=["linear_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+                    linear_key_head_dim=16, linear_value_head_dim=16, hc_lowrank=8)
+    if family == "glm5_next":  # one linear-attention layer, a dense MLP, small hyper-connections
+        text.update(num_key_value_heads=4, pad_token_id=None, moe_intermediate_size=32, n_routed_experts=4,
+                    num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16, v_head_dim=16, qk_nope_head_dim=16,
+                    index_topk=16, index_kpool=4, index_head_dim=16, index_n_heads=2, linear_head_dim=16,
+                    linear_num_heads=4, hc_mult=2)
+    if family in ("hyperclovax_vision_v2", "glm5_next"):  # plain rotary: no M-RoPE sections
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     if preset.family == "glm4v_moe":  # a small mixture: the text part is never run, only written
         text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
     if family == "lfm3_vl":  # LFM3's text config: no M-RoPE; its padding token id is beyond this vocabulary
@@ -455,6 +514,8 @@ BENCH_MODELS = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8
 BENCH_FAMILY_MODELS = ["random:qwen3.5-27b", "random:qwen3-vl-30b-a3b", "random:exaone-4.5-33b",
                        "random:qwen2.5-omni-7b", "random:qwen3-omni-30b-a3b", "random:qwen3.5-35b-a3b"]
 BENCH_FAMILY_MODELS += ["random:paddleocr-vl", "random:cosmos3-edge"]
+BENCH_FAMILY_MODELS += ["random:qwen3.8-flash-next", "random:cosmos3-nano", "random:hyperclovax-seed-think-32b",
+                        "random:glm-5.3-flash"]
 
 
 def _projected_config(preset: Preset, text: dict[str, Any]):

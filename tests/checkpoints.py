@@ -86,6 +86,9 @@ def write_checkpoint(preset_name: str, folder: Path, seed: int = 0, max_shard_si
 VLLM_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                        "<|image_pad|>", "<|video_pad|>", "<vision>", "</vision>", "<|VISION_START|>",
                        "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"]
+# The architecture vLLM registers a family's model under, where it is not transformers' class name (the name the
+# releases' config.json carries)
+VLLM_ARCHITECTURES = {"cosmos3_omni": "Cosmos3ForConditionalGeneration"}
 # (vision start, vision end, image pad, video pad) in each family's prompts, where not Qwen's
 VLLM_MEDIA_TOKENS = {"exaone4_5": ("<vision>", "</vision>", "<|image_pad|>", "<|video_pad|>"),
                      "cohere_compass": ("<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"),
@@ -152,7 +155,7 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
     text: dict = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192,
                       bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
-    qwen3 = preset.family.startswith("qwen3") or preset.family == "cohere_compass"
+    qwen3 = preset.family.startswith("qwen3") or preset.family in ("cohere_compass", "qwen4_exp", "cosmos3_omni")
     head_dim = 16 if qwen3 else out_hidden // text["num_attention_heads"]
     half = head_dim // 2  # vLLM's M-RoPE wants the sections to cover half the head
     rope: dict = {"rope_type": "default", "rope_theta": 10000.0,
@@ -201,7 +204,7 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
                                    bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], **media, **top)
     if preset.family == "cohere_compass":
         cfg.tie_word_embeddings = True  # as released; vLLM's model asserts it
-    cfg.architectures = [CLASSES[preset.family]]
+    cfg.architectures = [VLLM_ARCHITECTURES.get(preset.family, CLASSES[preset.family])]
     cfg.save_pretrained(folder)
     if omni:
         write_omni_processor(preset, folder)

@@ -27,6 +27,8 @@ FULL += ["random:lfm3-vl-2b", "random:dots3-note"]  # conv blocks beside attenti
 FULL += ["random:paddleocr-vl", "random:cosmos3-edge"]
 FULL += ["random:ernie-4.5-vl-28b-a3b", "random:minimax-m3"]
 FULL += ["random:hunyuan-ocr", "random:hy4", "random:videollama3-7b"]
+FULL += ["random:qwen3.8-flash-next", "random:cosmos3-nano", "random:hyperclovax-seed-think-32b",
+         "random:glm-5.3-flash"]
 DEV = torch.device("cuda")
 
 

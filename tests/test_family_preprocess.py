@@ -42,7 +42,8 @@ for _name, _preset in PRESETS.items():
 VIDEO_RULES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_omni": "qwen2", "qwen3_omni_moe": "qwen2",
                "exaone4_5": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3", "qwen3_5": "qwen3",
                "qwen3_5_moe": "qwen3", "lfm3_vl": "qwen3", "dots3_note": "qwen3",
-               "ernie4_5_vl_moe": "ernie", "hy_v4_vl": "hy_v4_vl", "video_llama_3": "video_llama_3"}
+               "ernie4_5_vl_moe": "ernie", "hy_v4_vl": "hy_v4_vl", "video_llama_3": "video_llama_3",
+               "qwen4_exp": "qwen3", "cosmos3_omni": "qwen3", "hyperclovax_vision_v2": "qwen2"}
 SIZES = [(97, 143), (300, 500), (37, 810), (64, 64)]  # (width, height)
 
 

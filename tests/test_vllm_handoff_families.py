@@ -36,6 +36,7 @@ from tests.test_vllm_handoff import IMAGES, LONG_VIDEO, VIDEO, VLLM_DTYPE, post,
 MODELS = {"tiny-qwen3-vl-moe": False, "tiny-qwen3.5": False, "tiny-qwen3.5-moe": False, "tiny-exaone4.5": True,
           "tiny-cohere-compass": True, "tiny-qwen2.5-omni": True, "tiny-qwen3-omni-moe": False}
 MODELS["tiny-cosmos3-edge"] = True
+MODELS.update({"tiny-qwen4-exp": False, "tiny-cosmos3-omni": True})
 
 
 def seconds_per_step(name: str) -> bool:

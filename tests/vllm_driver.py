@@ -55,13 +55,16 @@ def free_port() -> int:
 class Model:
     """vLLM's pieces for one checkpoint folder; the torch model is built once and shared by its cases."""
 
-    def __init__(self, folder: str, dtype: str) -> None:
+    def __init__(self, folder: str, dtype: str, hybrid: bool = False) -> None:
         self.folder = folder
         self.dtype = dtype
+        # A hybrid model (linear-attention layers: GLM-5) gets a state cache whose block vLLM's config checks
+        # against prefix caching, which the CPU platform turns off: one block of the whole length passes.
+        self.hybrid = hybrid
         self.model: Any = None
 
     def config(self, consumer: str | None) -> Any:
-        from vllm.config import LoadConfig, ModelConfig, VllmConfig
+        from vllm.config import CacheConfig, LoadConfig, ModelConfig, VllmConfig
         from vllm.config.ec_transfer import ECTransferConfig
 
         model_config = ModelConfig(model=self.folder, tokenizer=self.folder, dtype=self.dtype, max_model_len=8192,
@@ -70,7 +73,9 @@ class Model:
         if consumer is not None:
             ec = ECTransferConfig(ec_connector="ECExampleConnector", ec_role="ec_consumer",
                                   ec_connector_extra_config={"shared_storage_path": consumer})
-        return VllmConfig(model_config=model_config, ec_transfer_config=ec, load_config=LoadConfig(load_format="dummy"))
+        cache = {"cache_config": CacheConfig(mamba_block_size=8192)} if self.hybrid else {}
+        return VllmConfig(model_config=model_config, ec_transfer_config=ec, load_config=LoadConfig(load_format="dummy"),
+                          **cache)
 
     def torch_model(self, vllm_config: Any) -> Any:
         if self.model is None:
@@ -238,7 +243,7 @@ def main() -> int:
     reports: dict[str, dict[str, Any]] = {}
     initialised = False
     for spec in request["models"]:
-        model = Model(spec["dir"], spec.get("dtype", "bfloat16"))
+        model = Model(spec["dir"], spec.get("dtype", "bfloat16"), spec.get("hybrid", False))
         if not initialised:
             init_distributed(model.config(None))
             initialised = True

@@ -4,12 +4,16 @@
 from models.families import (  # noqa: F401  (registration)
     cohere_compass,
     cosmos3_edge,
+    cosmos3_omni,
     dots3_note,
     ernie4_5_vl_moe,
     exaone4_5,
     glm4v,
+    glm5_next,
+    glmga,
     hunyuan_vl,
     hy_v4_vl,
+    hyperclovax_vision_v2,
     kimi_k25,
     lfm3_vl,
     minimax_m3_vl,
@@ -23,6 +27,7 @@ from models.families import (  # noqa: F401  (registration)
     qwen3_omni_moe,
     qwen3_vl,
     qwen3_vl_moe,
+    qwen4_exp,
     video_llama_3,
 )
 from models.family import FAMILIES, Family

@@ -47,10 +47,11 @@ class MergeConv(nn.Conv2d):
 
 
 class GlmMerger(GatedMlp):
-    """proj -> LayerNorm -> GELU -> SwiGLU (gate/up/down, no biases) on each merged token."""
+    """proj -> LayerNorm -> GELU -> SwiGLU (gate/up/down, no biases; clamped at `limit` where given) on each
+    merged token."""
 
-    def __init__(self, dim: int, context: int, act: str) -> None:
-        super().__init__(dim, context, act, bias=False)
+    def __init__(self, dim: int, context: int, act: str, limit: float | None = None) -> None:
+        super().__init__(dim, context, act, bias=False, limit=limit)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.post_projection_norm = nn.LayerNorm(dim)
 

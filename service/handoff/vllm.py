@@ -148,7 +148,7 @@ def reference_part(modality: str, grid_thw: tuple[int, int, int], meta: dict[str
     """vLLM 0.33's metadata-only part for one item: the grid (and Qwen3-VL video's timestamps, the Omni
     thinkers' seconds per temporal step) and the uuid.
 
-    For a family whose vLLM processor takes no embedding parts (GLM-4.1V), a media part naming only the
+    For a family whose vLLM processor takes no embedding parts (GLM-4.1V, HyperCLOVAX), a media part naming only the
     uuid: the client's own `image_url` / `video_url` goes with it (`handed_off`), vLLM's processor sizes
     the placeholder from the media (the same grid: vitserve follows that family's processor) and, as an
     encoder-cache consumer, loads the tensor by the uuid instead of running its tower."""

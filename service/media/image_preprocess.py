@@ -2,8 +2,9 @@
 
 Parity targets: transformers' `Qwen2VLImageProcessorPil` (used by Qwen2-VL, Qwen2.5-VL and Qwen3-VL
 checkpoints), `Glm4vImageProcessorPil` (GLM-4.1V, GLM-4.5V, GLM-OCR; Cosmos3-Edge's sizes images the same
-way) and `PaddleOCRVLImageProcessorPil`, which differ in how they size an image (`smart_resize`,
-`clip_smart_resize`, `upscaled_smart_resize`; `service.media.rules` picks one) and in how they lay out a
+way), `Glm5NextImageProcessor` and `PaddleOCRVLImageProcessorPil`, which differ in how they size an image
+(`smart_resize`, `clip_smart_resize`, `budget_resize` with the content zero-padded, `upscaled_smart_resize`;
+`service.media.rules` picks one) and in how they lay out a
 patch row (`ProcessorConfig.patch_layout` / `patch_order`, service/media/patch_layout.py). The
 reference converts to RGB, resizes the *uint8* image with PIL bicubic to that size, then
 rescales/normalises in float and patchifies. Resizing happens on uint8, so
@@ -40,6 +41,8 @@ from service.media.patch_layout import image_rows, is_qwen_layout
 from service.media.rules import family_extra, image_resize, image_sizing
 
 MAX_ASPECT_RATIO = 200
+# Sizings whose content is resized to less than the grid's canvas and zero-padded to it (`resize_image`)
+PADDED_SIZINGS = ("kimi", "muse", "glm5")
 
 
 def smart_resize(
@@ -141,6 +144,62 @@ def clip_smart_resize(
     return h_bar, w_bar
 
 
+def budget_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int = 2,
+    factor: int = 28,
+    min_pixels: float = 16 * 2 * 28 * 28,
+    max_pixels: float = 8000 * 2 * 28 * 28,
+) -> tuple[int, int]:
+    """The canvas (height, width) of GLM-5's processors: sides rounded UP to multiples of `factor`, T*H*W (T
+    rounded to `temporal_factor`, at least one temporal patch) at least `min_pixels` (scaled up, as in
+    `clip_smart_resize`) and at most `max_pixels`: the largest canvas of the content's aspect ratio under that
+    bound, found by bisection over the content's height. The content itself keeps its size or shrinks into
+    the canvas (`padded_content`); the rest is zero padding.
+
+    Same arithmetic as transformers' Glm5NextImageProcessor `smart_resize`, whose bounds are in tokens of
+    temporal_factor * factor**2 pixels: min_image_tokens and max_image_tokens times that.
+    """
+    if height <= 0 or width <= 0:
+        raise MediaError(f"image is {width}x{height}: it has no pixels", TOO_SMALL)
+    frames = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
+    h_bar, w_bar = math.ceil(height / factor) * factor, math.ceil(width / factor) * factor
+    if frames * h_bar * w_bar < min_pixels:
+        scale = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(max(1, math.ceil(height * scale)) / factor) * factor
+        w_bar = math.ceil(max(1, math.ceil(width * scale)) / factor) * factor
+    if frames * h_bar * w_bar <= max_pixels:
+        return h_bar, w_bar
+    if max_pixels < frames * factor * factor:
+        raise MediaError(
+            f"max_pixels={max_pixels:g} is below one {factor}x{factor} patch of {frames} frames", INVALID_PIXEL_BOUNDS
+        )
+    low, high, best = 1, height, (factor, factor)
+    while low <= high:
+        content_h = (low + high) // 2
+        content_w = max(1, math.floor(width * content_h / height))
+        canvas = (math.ceil(content_h / factor) * factor, math.ceil(content_w / factor) * factor)
+        if frames * canvas[0] * canvas[1] <= max_pixels:
+            best, low = canvas, content_h + 1
+        else:
+            high = content_h - 1
+    return best
+
+
+def padded_content(num_frames: int, height: int, width: int, canvas: tuple[int, int], min_pixels: float
+                   ) -> tuple[int, int]:
+    """The (height, width) GLM-5's processors resize the content to before padding it to `canvas` (bottom and
+    right, zeros): the canvas's scale for the tighter side, never enlarging unless the clip (num_frames *
+    height * width) is below `min_pixels`."""
+    scale = min(canvas[0] / height, canvas[1] / width)
+    if num_frames * height * width >= min_pixels:
+        scale = min(1.0, scale)
+    return max(1, min(canvas[0], math.floor(height * scale))), max(1, min(canvas[1], math.floor(width * scale)))
+
+
 def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
     """uint8 [grid_h*grid_w, 3*T*P*P] patches of an RGB image whose sides are multiples of P*merge.
 
@@ -175,7 +234,8 @@ def patchify(image: Image.Image, patch_size: int, merge_size: int, temporal_patc
 def image_grid(
     height: int, width: int, cfg: ProcessorConfig, min_pixels: int | None = None, max_pixels: int | None = None
 ) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """((resized h, w), grid_thw) of a height x width image under the config's bounds (overridable).
+    """((resized h, w), grid_thw) of a height x width image under the config's bounds (overridable); for the
+    sizings that pad (`PADDED_SIZINGS`), the size the content is resized to, the grid covering the canvas.
 
     For the GLM families the bounds are the processor's `size.shortest_edge` / `longest_edge`, which bound
     T*H*W with T = temporal_patch_size (an image is a clip of T identical frames there).
@@ -185,6 +245,12 @@ def image_grid(
     if sizing in ("kimi", "muse"):
         (new_h, new_w), (pad_h, pad_w) = navit_image_size(height, width, cfg, hi)
         return (new_h, new_w), (1, pad_h // cfg.patch_size, pad_w // cfg.patch_size)
+    if sizing == "glm5":  # the content's size on a canvas the grid covers (zeros pad the rest)
+        tps = cfg.temporal_patch_size
+        canvas = budget_resize(tps, height, width, temporal_factor=tps, factor=cfg.factor, min_pixels=lo,
+                               max_pixels=hi)
+        return padded_content(tps, height, width, canvas, lo), (1, canvas[0] // cfg.patch_size,
+                                                                canvas[1] // cfg.patch_size)
     if sizing == "glm4v":
         tps = cfg.temporal_patch_size
         new_h, new_w = clip_smart_resize(
@@ -256,7 +322,7 @@ def preprocess_image(
     if image.mode != "RGB" or has_alpha(image):
         image = to_rgb(image)
     padded = (grid[1] * cfg.patch_size, grid[2] * cfg.patch_size)
-    if image_sizing(cfg) in ("kimi", "muse"):
+    if image_sizing(cfg) in PADDED_SIZINGS:
         image = resize_image(image, image_sizing(cfg), (new_h, new_w), padded)
     elif (new_w, new_h) != (width, height) and image_resize(cfg) == "torch":
         image = Image.fromarray(resize_bicubic_antialias(np.asarray(image), new_h, new_w))

@@ -78,14 +78,17 @@ def pad_bottom_right(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def resize_image(image: Image.Image, rule: str, resized: tuple[int, int], padded: tuple[int, int]) -> Image.Image:
-    """An RGB image resized to `resized` (h, w) and padded to `padded` as the family's processor does."""
+    """An RGB image resized to `resized` (h, w) and zero-padded on the bottom and right to `padded` as the
+    family's processor does: Kimi's torch kernel, Muse's Lanczos, PIL bicubic otherwise (GLM-5's)."""
     if rule == "kimi":
         rgb = resize_bicubic_antialias(np.asarray(image), *resized)
         return Image.fromarray(pad_bottom_right(rgb, *padded))
-    if (image.height, image.width) == resized:
+    if (image.height, image.width) != resized:
+        method = Image.Resampling.LANCZOS if rule == "muse" else Image.Resampling.BICUBIC
+        image = image.resize((resized[1], resized[0]), method)
+    if resized == padded:
         return image
-    method = Image.Resampling.LANCZOS if rule == "muse" else Image.Resampling.BICUBIC
-    return image.resize((resized[1], resized[0]), method)
+    return Image.fromarray(pad_bottom_right(np.asarray(image), *padded))
 
 
 def kimi_frame_indices(count: int, video_fps: float, fps: float | None, nframes: int | None) -> np.ndarray:

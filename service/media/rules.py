@@ -7,12 +7,15 @@ paths branch on those names alone, so a family that preprocesses like another on
 
 * image sizing "qwen2": `Qwen2VLImageProcessor`'s smart_resize (bounds on H*W);
   "glm4v": `Glm4vImageProcessor`'s (an image is a clip of temporal_patch_size frames: bounds on T*H*W,
-  tiny images scaled up first).
+  tiny images scaled up first); "glm5": `Glm5NextImageProcessor`'s (bounds on T*H*W in tokens, sides
+  rounded up, the content shrunk into that canvas and zero-padded, never enlarged above the minimum).
 * image resize "pil": PIL bicubic on the uint8 image (the *ImageProcessorPil classes); "torch": torchvision's
   bicubic with antialias on a uint8 tensor (MiniMaxM3VLImageProcessor, which exists only with torchvision).
 * video sampling "qwen2": qwen-vl-utils `fetch_video`; "qwen3": `Qwen3VLVideoProcessor`; "glm4v":
   `Glm4vVideoProcessor` (frames at fps up to max_duration seconds, repeats dropped, odd counts padded);
-  "hy_v4_vl": `HYV4VLVideoProcessor`; "video_llama_3": `VideoLlama3VideoProcessor`.
+  "glm46v", "glmga", "glm5": GLM-4.6V's, GLMGA's and GLM-5's processors (a rate from the clip's length; a
+  fixed rate up to max_frames; the same with GLM-5's own sizing and padding); "hy_v4_vl":
+  `HYV4VLVideoProcessor`; "video_llama_3": `VideoLlama3VideoProcessor`.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def takes_video(cfg: ProcessorConfig) -> bool:
 
 # GLM checkpoints of one model_type ship either of GLM's video processors (GLM-4.6V's samples by the clip's
 # length): the class the checkpoint names decides, as it does in transformers.
-GLM_VIDEO_PROCESSORS = {"Glm4vVideoProcessor": "glm4v", "Glm46VVideoProcessor": "glm46v"}
+GLM_VIDEO_PROCESSORS = {"Glm4vVideoProcessor": "glm4v", "Glm46VVideoProcessor": "glm46v",
+                        "GlmgaVideoProcessor": "glmga", "Glm5NextVideoProcessor": "glm5"}
 
 
 def video_sampling(cfg: ProcessorConfig) -> str:

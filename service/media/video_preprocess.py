@@ -69,8 +69,9 @@ class _PatchWriter:
         labels: dict[int, str] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.content = content  # resize to this, then zero-pad to `size` (the Kimi processors)
-        self.method = {"kimi": "kimi", "muse": "muse"}.get(video_sampling(cfg), "bicubic")
+        self.content = content  # resize to this, then zero-pad to `size` (the Kimi, Muse and GLM-5 processors)
+        # where frames are sized so, the family's rule resizes them (navit_sizing.resize_image); else bicubic
+        self.method = video_sampling(cfg) if content is not None else "bicubic"
         self.labels = labels or {}  # text drawn on the frame at a position before resizing (frame_labels)
         self.max_tokens = max_tokens
         self.slots_of = slots_of

@@ -10,6 +10,8 @@ The rules follow the reference each model family ships with:
 * GLM-4.1V, GLM-4.5V, GLM-OCR: transformers' `Glm4vVideoProcessor` (`sample_frames`: frames at fps
   up to `max_duration` seconds, repeats dropped, an odd count padded; the same T*H*W sizing).
 * GLM-4.6V: `Glm46VVideoProcessor` (a frame rate chosen by the clip's length, at most 640 frames).
+* GLMGA, GLM-5-Next: `GlmgaVideoProcessor`, `Glm5NextVideoProcessor` (a fixed rate up to their max_frames;
+  GLM-5's frames shrunk into a canvas bounded in tokens and zero-padded).
 * Kimi-K2.x, Muse: `Kimi_K25VideoProcessor`, `MuseGlimmerVideoProcessor` (service/media/navit_sizing.py).
 * ERNIE-4.5-VL: `Ernie4_5_VLMoeVideoProcessor` (frames spread over the clip, 16 to 180, each sized alone; the
   frame's time drawn on it before resizing: service.media.frame_labels).
@@ -42,7 +44,14 @@ from service.media.errors import (
     UNSUPPORTED_FORMAT,
     MediaError,
 )
-from service.media.image_preprocess import MAX_ASPECT_RATIO, clip_smart_resize, navit_image_size, smart_resize
+from service.media.image_preprocess import (
+    MAX_ASPECT_RATIO,
+    budget_resize,
+    clip_smart_resize,
+    navit_image_size,
+    padded_content,
+    smart_resize,
+)
 from service.media.navit_sizing import kimi_frame_indices, muse_frame_indices
 from service.media.rules import takes_video, video_sampling
 
@@ -313,6 +322,66 @@ def glm46v_frame_indices(total_frames: int, video_fps: float, temporal_patch_siz
     return np.asarray(unique, dtype=np.int64)
 
 
+# GLMGA and GLM-5.x: GlmgaVideoProcessor.sample_frames and Glm5NextVideoProcessor's variant of it
+GLMGA_MAX_FRAMES = 640
+
+
+def _glm_fixed_count(picked: list[int], extract: int, last: int) -> np.ndarray:
+    """The last steps GLM's samplers share: too few or too many indices are replaced by `extract` evenly spaced
+    ones (`np.linspace(..., dtype=int)`: truncated), repeats dropped, an odd count padded with the last."""
+    if len(picked) < extract:
+        start, end = (picked[0], picked[-1]) if picked else (0, max(last, 0))
+        picked = np.linspace(start, end, extract, dtype=int).tolist()
+    elif len(picked) > extract:
+        picked = np.linspace(0, last, extract, dtype=int).tolist()
+    unique = list(dict.fromkeys(picked))
+    if len(unique) % 2:
+        unique.append(unique[-1])
+    return np.asarray(unique, dtype=np.int64)
+
+
+def _glm_clock(total_frames: int, video_fps: float, fps: float, stop: Callable[[float], bool]) -> list[int]:
+    """Frames taken each time the clip's clock passes the next 1 / fps seconds, until `stop(clock)`."""
+    picked, current, per_frame = [], 0.0, 1 / video_fps
+    for index in range(total_frames):
+        if index * per_frame >= current:
+            current += 1 / fps
+            picked.append(index)
+            if stop(current):
+                break
+    return picked
+
+
+def glmga_frame_indices(total_frames: int, video_fps: float, *, fps: float = 2.0,
+                        max_frames: int = GLMGA_MAX_FRAMES) -> np.ndarray:
+    """GlmgaVideoProcessor.sample_frames: int64 indices, an even count.
+
+    `extract_t` = duration * fps frames (at most `max_frames`); a clip with fewer frames than that takes
+    floor(i * frames / extract_t) for each i; otherwise a frame each time the clock passes the next 1 / fps
+    seconds, until one step before the end; then `_glm_fixed_count`.
+    """
+    duration = total_frames / video_fps
+    extract = min(int(duration * fps), max_frames)
+    if total_frames < extract:
+        picked = [math.floor(i * total_frames / extract) for i in range(extract)]
+    else:
+        picked = _glm_clock(total_frames, video_fps, fps, lambda clock: clock >= duration - 1 / fps)
+    return _glm_fixed_count(picked, extract, total_frames - 1)
+
+
+def glm5_frame_indices(total_frames: int, video_fps: float, *, fps: float = 2.0, max_frames: int = 2048) -> np.ndarray:
+    """Glm5NextVideoProcessor.sample_frames (its `max_duration` is 0: no cap): as `glmga_frame_indices`, but a
+    short clip takes evenly spaced indices and the clock stops at the last whole second."""
+    duration = total_frames / video_fps
+    extract = min(int(duration * fps), max_frames)
+    last_second = int(duration)
+    if total_frames < extract:
+        picked = np.linspace(0, total_frames - 1, extract, dtype=int).tolist()
+    else:
+        picked = _glm_clock(total_frames, video_fps, fps, lambda clock: clock >= last_second)
+    return _glm_fixed_count(picked, extract, total_frames - 1)
+
+
 # -- MiniMax-M3: frames a second apart ----------------------------------------------------------------
 
 
@@ -430,7 +499,8 @@ class SamplingPlan:
     # What moved the count away from duration * requested fps (beyond rounding): "min_frames" raised it,
     # "max_frames" or "frame_count" (fewer frames in range than that fps needs) lowered it; None: nothing.
     fps_adjusted_by: str | None = None
-    # The size a frame is resized to before it is zero-padded to `size` (the Kimi processors'); None: `size`.
+    # The size a frame is resized to before it is zero-padded to `size` (the Kimi and GLM-5 processors'); None:
+    # `size`.
     content_size: Callable[[int, int], tuple[int, int]] | None = None
 
 
@@ -532,15 +602,23 @@ def plan_sampling(
                 n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi
             )
 
-    elif rules in ("glm4v", "glm46v"):
+    elif rules in ("glm4v", "glm46v", "glmga", "glm5"):
         # GLM's processor has no frame bounds: min_frames does not apply, max_frames (per request) spreads
-        # that many frames over the clip when the fps rule would take more.
+        # that many frames over the clip when the fps rule would take more (GLMGA's and GLM-5's processors
+        # bound the count themselves, by their max_frames).
         dynamic = rules == "glm46v" and nframes is None and fps is None
+        bounded = rules in ("glmga", "glm5") and nframes is None
         if dynamic:  # GLM-4.6V's processor picks the rate from the clip's length; a request's fps fixes it
             indices = glm46v_frame_indices(count, video_fps, cfg.temporal_patch_size)
+        elif bounded:
+            cap = vcfg.max_frames if max_frames is None else max_frames
+            sampler = glmga_frame_indices if rules == "glmga" else glm5_frame_indices
+            indices = sampler(count, video_fps, fps=want_fps, max_frames=cap)
+            wanted = int(count / video_fps * want_fps)
+            adjusted = "max_frames" if wanted > cap else "frame_count" if len(np.unique(indices)) < wanted else None
         else:
             indices = glm_frame_indices(count, video_fps, fps=want_fps, nframes=nframes)
-        if nframes is None and not dynamic:
+        if nframes is None and not dynamic and not bounded:
             if max_frames is not None and len(np.unique(indices)) > max_frames:
                 indices, adjusted = glm_frame_indices(count, video_fps, nframes=max_frames), "max_frames"
             elif count / video_fps > GLM_MAX_DURATION:
@@ -555,9 +633,17 @@ def plan_sampling(
         tps = cfg.temporal_patch_size
 
         def size(height: int, width: int) -> tuple[int, int]:
+            if rules == "glm5":
+                return budget_resize(n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px,
+                                     max_pixels=hi_budget)
             return clip_smart_resize(
                 n, height, width, temporal_factor=tps, factor=factor, min_pixels=lo_px, max_pixels=hi_budget
             )
+
+        if rules == "glm5":  # the frames shrink into the canvas, zeros pad the rest
+
+            def content(height: int, width: int) -> tuple[int, int]:
+                return padded_content(n, height, width, size(height, width), lo_px)
 
     elif rules in ("kimi", "muse"):
         # The Kimi and Muse processors (service/media/navit_sizing.py): a frame count from the rate, a cap
@@ -644,7 +730,7 @@ def plan_sampling(
         indices=indices,
         sample_fps=sample_fps,
         size=size,
-        content_size=content if rules in ("kimi", "muse") else None,
+        content_size=content if rules in ("kimi", "muse", "glm5") else None,
         requested_fps=None if nframes is not None or dynamic else float(want_fps),
         fps_adjusted_by=adjusted,
     )
