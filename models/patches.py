@@ -52,8 +52,10 @@ class _RowProduct:
         """`flat` as a buffer outside the state dict, so that it moves with the module."""
         self.register_buffer("flat", None, persistent=False)  # type: ignore[attr-defined]
 
+    @torch.no_grad()
     def fuse(self) -> None:
-        """After loading: keep a reordered copy when the weight's order is not the rows' (a few MB at most)."""
+        """After loading: keep a reordered copy when the weight's order is not the rows' (a few MB at most);
+        a plain tensor, not a product of the parameter (the tower can be copied, and keeps no autograd graph)."""
         self.flat = None
         if self.weight_layout != self.rows:
             self.flat = self.row_weight().contiguous()
