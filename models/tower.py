@@ -44,7 +44,36 @@ def rope_theta(cfg: Any) -> float:
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
-class QwenTower(nn.Module):
+class TowerBase(nn.Module):
+    """What every tower answers the same way from its `merge`, `dims`, `hidden` and `heads` (models/protocol.py)."""
+
+    merge: int
+    dims: Dims
+    hidden: int
+    heads: int
+
+    @property
+    def merge_unit(self) -> int:
+        return self.merge * self.merge
+
+    @property
+    def out_hidden_size(self) -> int:
+        return self.dims.out
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+
+class QwenTower(TowerBase):
     """One tower of `family` built from its vision config. Parameter names follow the checkpoints
     (after the family's vision prefix), so a state dict loads as is."""
 
@@ -102,27 +131,7 @@ class QwenTower(nn.Module):
                          f.proj_bias, f.qk_norm, f.norm_eps)
         return Block(make_norm(f.norm, dims.hidden, f.norm_eps), make_norm(f.norm, dims.hidden, f.norm_eps), attn, mlp)
 
-    # ---- what the protocol names ------------------------------------------------------------
-    @property
-    def merge_unit(self) -> int:
-        return self.merge * self.merge
-
-    @property
-    def out_hidden_size(self) -> int:
-        return self.dims.out
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
-
+    # ---- what the protocol names beyond TowerBase --------------------------------------------
     @property
     def deepstack_mergers(self) -> list[nn.Module]:
         return list(getattr(self, self.spec.deepstack)) if self.spec.deepstack else []

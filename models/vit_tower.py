@@ -28,6 +28,7 @@ from models.layers import Mlp, Normalize, Rotary2D
 from models.metadata import base_capacity, padded_cumsum, segment_lengths
 from models.protocol import Capacity, CapacityError, Geometry, Grid
 from models.siglip import SiglipAttention
+from models.tower import TowerBase
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def named_block(dims: Dims, act: str, eps: float, backend: str, names: BlockName
     return block.use_names({"norm1": names.norm1, "norm2": names.norm2, "attn": names.attn, "mlp": names.mlp})
 
 
-class ViTTower(nn.Module):
+class ViTTower(TowerBase):
     """What every SigLIP-named tower shares: the protocol's attributes (models/protocol.py), the CPU half's
     capacity and attention segments, the device-side normalisation of each modality and the block stack. A
     family's subclass builds its embedding, `blocks` and merger, and its `forward`."""
@@ -97,26 +98,7 @@ class ViTTower(nn.Module):
             raise ValueError(f"preprocessor (patch {p.patch_size}, temporal {p.temporal_patch_size}) disagrees with "
                              f"the vision config ({patch_size}, {temporal_patch_size})")
 
-    # ---- what the protocol names ------------------------------------------------------------
-    @property
-    def merge_unit(self) -> int:
-        return self.merge * self.merge
-
-    @property
-    def out_hidden_size(self) -> int:
-        return self.dims.out
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+    # ---- what the protocol names beyond models.tower.TowerBase -------------------------------
 
     @property
     def blocks(self) -> list[nn.Module]:

@@ -33,7 +33,7 @@ from models.positions import resample_float32, tap_metadata
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
 from models.raster import InterleavedRotary2D, raster_rotary_positions, raster_taps
 from models.token_merge import temporal_mean, temporal_mean_metadata
-from models.tower import rope_theta
+from models.tower import TowerBase, rope_theta
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
@@ -89,7 +89,7 @@ def time_index(grids: Sequence[Grid], patches: int, chunk: int) -> np.ndarray:
     return out
 
 
-class KimiTower(nn.Module):
+class KimiTower(TowerBase):
     """The Kimi-K2.x vision tower and its projector. Parameter names are the checkpoint's (Moonshot's layout,
     which transformers' save_pretrained writes too) after its `vision_tower.` and `mm_projector.` prefixes."""
 
@@ -135,26 +135,7 @@ class KimiTower(nn.Module):
         self.num_deepstack = 0
         self.layout = None
 
-    # ---- what the protocol names ------------------------------------------------------------
-    @property
-    def merge_unit(self) -> int:
-        return self.merge * self.merge
-
-    @property
-    def out_hidden_size(self) -> int:
-        return self.dims.out
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+    # ---- what the protocol names beyond models.tower.TowerBase -------------------------------
 
     def reset_buffers(self) -> None:
         self.normalize.reset()

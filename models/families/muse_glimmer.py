@@ -32,7 +32,7 @@ from models.positions import resample, tap_metadata
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
 from models.raster import raster_rotary_positions, raster_taps
 from models.token_merge import pixel_shuffle
-from models.tower import rope_theta
+from models.tower import TowerBase, rope_theta
 from models.windows import Windows
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
@@ -45,7 +45,7 @@ def muse_dims(config: Any) -> Dims:
                 mlp=cfg.intermediate_size, depth=cfg.num_hidden_layers, out=config.text_config.hidden_size)
 
 
-class MuseTower(nn.Module):
+class MuseTower(TowerBase):
     """The Muse vision tower with its adapter and projection. Parameter names are the checkpoint's after the
     prefix `model.vision_` (`tower.*`, `adapter.*`, `projection.*`)."""
 
@@ -95,26 +95,7 @@ class MuseTower(nn.Module):
             raise ValueError(f"out_hidden_size {config.out_hidden_size} is not hidden_size x merge_size**2")
         self.num_deepstack = 0
 
-    # ---- what the protocol names ------------------------------------------------------------
-    @property
-    def merge_unit(self) -> int:
-        return self.merge * self.merge
-
-    @property
-    def out_hidden_size(self) -> int:
-        return self.dims.out
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+    # ---- what the protocol names beyond models.tower.TowerBase -------------------------------
 
     @property
     def layout(self) -> Windows:
