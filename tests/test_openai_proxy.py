@@ -190,14 +190,19 @@ def test_replicas_act_as_one_cache():
             # The fixed list as --replicas and --advertise-url give it (the ports are known only now).
             ring = settings(model="tiny-qwen3-vl", replicas=[a.url, b.url], advertise_url=a.url)
             a.app.state.service.peers = Peers(ring, Metrics())
-            # Twelve ids: the replicas' ports are random, so which one an id picks is too; all twelve on one
-            # side has odds of 1 in 2048 (with six it was 1 in 32, and it happened).
-            images = [image_bytes(64 + 8 * k, 64, seed=80 + k) for k in range(12)]
-            r = httpx.post(a.url + "/v1/chat/completions", json=chat(*(image_part(i) for i in images)), timeout=60)
-            assert r.status_code == 200, r.text
-            uuids = [p["uuid"] for p in json.loads(llm.seen[-1][3])["messages"][0]["content"][1:]]
-            owners = {replica_for([a.url, b.url], u) for u in uuids}
-            assert owners == {a.url, b.url}  # both replicas hold some
+            # The replicas' ports are random, so which one an id picks is too: requests of six new images go
+            # out until both replicas hold some (all on one side has odds of 1 in 32 a request).
+            uuids: list[str] = []
+            for round_ in range(6):
+                images = [image_bytes(64 + 8 * k, 64, seed=80 + 10 * round_ + k) for k in range(6)]
+                r = httpx.post(a.url + "/v1/chat/completions", json=chat(*(image_part(i) for i in images)),
+                               timeout=60)
+                assert r.status_code == 200, r.text
+                uuids += [p["uuid"] for p in json.loads(llm.seen[-1][3])["messages"][0]["content"][1:]]
+                owners = {replica_for([a.url, b.url], u) for u in uuids}
+                if owners == {a.url, b.url}:
+                    break
+            assert owners == {a.url, b.url}, (uuids, a.url, b.url)  # both replicas hold some
             for u in uuids:
                 home = replica_for([a.url, b.url], u)
                 other = b.url if home == a.url else a.url

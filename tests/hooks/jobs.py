@@ -24,6 +24,13 @@ def nap(ctx: Any, seconds: float, value: Any) -> Any:
     return value
 
 
+def stamped_nap(ctx: Any, seconds: float, value: Any) -> tuple[float, Any]:
+    """`nap`, returning when it started as well (CLOCK_MONOTONIC: one clock for every process of the host)."""
+    started = time.monotonic()
+    time.sleep(seconds)
+    return started, value
+
+
 def spin(ctx: Any, seconds: float) -> int:
     """Burn CPU (the way a runaway decode does) for `seconds`; returns the worker's pid."""
     end = time.monotonic() + seconds
