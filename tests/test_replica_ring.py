@@ -76,13 +76,14 @@ class Endpoints:
         with httpx.Client(timeout=3, trust_env=False) as client:
             while not self._stop.wait(0.2):
                 with self._lock:
-                    for address, url in list(self.replicas.items()):
+                    replicas = dict(self.replicas)  # the round asks those listed when it began
+                    for address, url in replicas.items():
                         try:
                             passed = client.get(url + "/ready").status_code == 200
                         except httpx.HTTPError:
                             passed = False
                         self.failures[address] = 0 if passed else self.failures.get(address, 2) + 1
-                    ready = [a for a in self.replicas if self.failures[a] < 2]
+                    ready = [a for a in replicas if self.failures[a] < 2]
                     if ready != self.listed:
                         hosts.write(self.path, {NAME: ready})
                         self.listed = ready
@@ -156,7 +157,8 @@ class Ring:
                 _wait_ready(server)
             except RuntimeError:
                 pytest.fail(f"replica {address} did not start:\n{server.log_path.read_text()[-3000:]}")  # type: ignore
-            self.endpoints.replicas[address] = server.url
+            with self.endpoints.paused():  # not while a round of asking is under way
+                self.endpoints.replicas[address] = server.url
 
     def live(self) -> list[str]:
         return [u for u, s in self.servers.items() if s.proc is not None and s.proc.poll() is None]
