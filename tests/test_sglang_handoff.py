@@ -214,14 +214,14 @@ def test_each_family_reaches_sglangs_processor(run, model):
     report = run.case(model, "parts")
     assert report["ok"], report
     assert_rows(run, model, "parts.0")
-    family = PRESETS[model].family
+    field = wire.MODEL_TYPES[PRESETS[model].family].video_field
     videos = [i for i in report["items"] if i["modality"] == "video"]
     rows = len(run.reference[model][2])
-    if wire.VIDEO_FIELD[family] == "video_timestamps":  # one item per temporal step, its time in the prompt
+    if field == "video_timestamps":  # one item per temporal step, its time in the prompt
         assert [v["rows"] for v in videos] == [rows // 2] * 2
     else:
         assert [v["rows"] for v in videos] == [rows]
-    if wire.VIDEO_FIELD[family] == "second_per_grid_ts":  # M-RoPE spaces the steps by the seconds vitserve sent
+    if field == "second_per_grid_ts":  # M-RoPE spaces the steps by the seconds vitserve sent
         config = json.loads((run.folders[model] / "config.json").read_text())
         rate = (config["thinker_config"]["position_id_per_seconds"] if "thinker_config" in config
                 else config["vision_config"]["tokens_per_second"])

@@ -14,7 +14,7 @@ Follows SGLang 0.5.23 (the encoder side of its encode/prefill/decode disaggregat
   grid_dim (an int64 tensor [items, 3]), modality (`Modality` IMAGE=1, VIDEO=2), embedding (None),
   send_time (None), dtype, shape ([tokens, width]), _mr_ptr (None), error_msg, error_code, and on a
   success `video_timestamps` and `second_per_grid_ts`, None unless the family's video needs one of them
-  (`VIDEO_FIELD`): one entry per video of the part, which the receiver chains over the parts.
+  (`MODEL_TYPES`): one entry per video of the part, which the receiver chains over the parts.
 - The rows of a family with DeepStack (Qwen3-VL, its MoE, Qwen3-Omni) carry the levels after the main
   embedding on the last dimension, as vitserve's outputs already do.
 
@@ -25,6 +25,7 @@ read it. A new SGLang release is checked there before this module follows it.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,16 +37,33 @@ DTYPES = ("float32", "bfloat16", "float16")
 GLOBALS = frozenset({RECEIVER, MODALITY, ("torch", "LongTensor"), ("torch", "FloatTensor"),
                      *(("torch", d) for d in DTYPES)})
 
-# The video field SGLang's encoder adds for each model type (its EncoderPreprocessor): Qwen3-VL's and
-# Qwen3.5's prompts hold each temporal step's time, Qwen2.5-VL's and the Omni models' M-RoPE spaces the
-# steps by seconds per step; Qwen2-VL reads neither. Families not listed are not served to SGLang.
-VIDEO_FIELD: dict[str, str | None] = {
-    "qwen2_vl": None,
-    "qwen2_5_vl": "second_per_grid_ts",
-    "qwen3_vl": "video_timestamps", "qwen3_vl_moe": "video_timestamps",
-    "qwen3_5": "video_timestamps", "qwen3_5_moe": "video_timestamps",
-    "qwen2_5_omni": "second_per_grid_ts", "qwen2_5_omni_thinker": "second_per_grid_ts",
-    "qwen3_omni_moe": "second_per_grid_ts", "qwen3_omni_moe_thinker": "second_per_grid_ts",
+def patch_grid(grid: tuple[int, int, int]) -> list[int]:
+    """grid_dim's row for an item as the Qwen-VL processors read it: vitserve's (t, h, w) in patches."""
+    return list(grid)
+
+
+@dataclass(frozen=True)
+class ModelType:
+    """How SGLang's language side reads the parts of one model type: the video field its prompt or M-RoPE
+    reads (one value per video), whether it takes video from an encoder at all, and the grid_dim row it
+    sizes an item's placeholders from."""
+
+    video_field: str | None = None
+    takes_video: bool = True
+    grid_row: Callable[[tuple[int, int, int]], list[int]] = patch_grid
+
+
+# The model types SGLang's encoder disaggregation accepts (its server-argument check) that vitserve serves.
+# Qwen3-VL's and Qwen3.5's prompts hold each temporal step's time; the M-RoPE of Qwen2.5-VL and the Omni
+# models spaces the steps by seconds per step; Qwen2-VL reads neither. Qwen3.8 (qwen4_exp) and Cosmos3-Nano
+# are not on SGLang's list, whose language-only server refuses them.
+MODEL_TYPES: dict[str, ModelType] = {
+    "qwen2_vl": ModelType(),
+    "qwen2_5_vl": ModelType("second_per_grid_ts"),
+    "qwen3_vl": ModelType("video_timestamps"), "qwen3_vl_moe": ModelType("video_timestamps"),
+    "qwen3_5": ModelType("video_timestamps"), "qwen3_5_moe": ModelType("video_timestamps"),
+    "qwen2_5_omni": ModelType("second_per_grid_ts"), "qwen2_5_omni_thinker": ModelType("second_per_grid_ts"),
+    "qwen3_omni_moe": ModelType("second_per_grid_ts"), "qwen3_omni_moe_thinker": ModelType("second_per_grid_ts"),
 }
 
 
@@ -57,7 +75,7 @@ class PartMeta:
     num_parts: int
     part_idx: int
     modality: str  # image | video
-    grids: list[tuple[int, int, int]]  # one per item, in the rows' order
+    grids: list[list[int]]  # grid_dim: one row per item, in the rows' order
     dtype: str  # the served dtype's torch name
     shape: tuple[int, int]  # [tokens, width]
     video_timestamps: list[list[float]] | None = None  # per video: the seconds of each temporal step

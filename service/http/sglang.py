@@ -158,9 +158,13 @@ class SGLangRoute:
         model = service.engine.model
         assert model is not None  # accepting: loaded
         family = service.engine.family
-        if family not in wire.VIDEO_FIELD:
+        served = wire.MODEL_TYPES.get(family or "")
+        if served is None:
             raise ApiError(501, "not_implemented", f"this server's family {family} is not one SGLang "
                                                    f"{wire.SGLANG_VERSION} disaggregates", "unsupported_family")
+        if part.modality == "video" and not served.takes_video:
+            raise ApiError(501, "not_implemented", f"SGLang {wire.SGLANG_VERSION} takes no video of {family} "
+                                                   "from an encoder", "unsupported_modality")
         try:
             state = self.parts.begin(part.req_id)
         except DeliveryFailed as exc:
@@ -176,7 +180,7 @@ class SGLangRoute:
                                                    service.run_in_pool)
             try:
                 nbytes = sum(r.output.nbytes for r in results)
-                args = (part, results, model, wire.VIDEO_FIELD[family])
+                args = (part, results, model, served)
                 frames = part_frames(*args) if nbytes <= RENDER_HERE_BYTES else await service.run_in_pool(
                     part_frames, *args)
             finally:
@@ -269,7 +273,7 @@ class SGLangRoute:
         family = self.service.engine.family
         return {"route": "on", "follows": f"SGLang {wire.SGLANG_VERSION}",
                 "transfer_backends": ["zmq_to_scheduler", "zmq_to_tokenizer"],
-                "family_served": family in wire.VIDEO_FIELD if family else None,
+                "family_served": family in wire.MODEL_TYPES if family else None,
                 "timeout_s": self.service.settings.sglang_timeout_s, "pushes": dict(self.pushes.counts),
                 "push_sockets": self.pushes.open_sockets, "parts_in_flight": len(self.parts)}
 

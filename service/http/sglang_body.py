@@ -110,7 +110,7 @@ def receive_endpoint(value: Any) -> str:
     return endpoint(host, int(port))
 
 
-def part_frames(part: EncodePart, results: list[ItemResult], model: ModelInfo, field: str | None) -> list[Any]:
+def part_frames(part: EncodePart, results: list[ItemResult], model: ModelInfo, served: wire.ModelType) -> list[Any]:
     """[metadata, rows]: every item's rows, in order, in one buffer (read from their segments)."""
     rows = sum(r.output.rows for r in results)
     buf = bytearray(sum(r.output.nbytes for r in results))
@@ -120,6 +120,7 @@ def part_frames(part: EncodePart, results: list[ItemResult], model: ModelInfo, f
             shm.read_into(r.output.segment, np.frombuffer(buf, np.uint8, r.output.nbytes, offset))
         offset += r.output.nbytes
     stamps = seconds = None
+    field = served.video_field
     if part.modality == "video" and field == "video_timestamps":
         stamps = [grid_timestamps(r.meta, model.processor.temporal_patch_size) for r in results]
         if any(s is None or len(s) != r.grid_thw[0] for s, r in zip(stamps, results)):
@@ -129,7 +130,7 @@ def part_frames(part: EncodePart, results: list[ItemResult], model: ModelInfo, f
         if any(s is None for s in seconds):
             raise RuntimeError(f"{part.req_id}: a video without its seconds per temporal step")
     meta = wire.PartMeta(part.req_id, part.num_parts, part.part_idx, part.modality,
-                         [tuple(r.grid_thw) for r in results], model.dtype_name, (rows, model.width),
+                         [served.grid_row(tuple(r.grid_thw)) for r in results], model.dtype_name, (rows, model.width),
                          stamps, seconds)  # type: ignore[arg-type]
     return [wire.metadata_frame(meta), buf]
 
