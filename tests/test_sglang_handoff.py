@@ -44,10 +44,11 @@ MODELS = [MAIN, "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl-moe", "tiny-q
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)  # 2 s: at the default 2 fps, 4 frames, 2 temporal steps
 BROKEN = b"GIF89a not really"
-# MiniMax-M3 takes a frame a second: of 5 s at 3 fps, frames 0, 3, 6, 9 and 12 (the last repeated), three
-# temporal steps whose first frames are at 0, 2 and 4 s
-STEPS_VIDEO = make_video(15, fps=3, width=64, height=48)
-STEP_SECONDS = ["0.0", "2.0", "4.0"]
+# MiniMax-M3 takes a frame a second: of 9 s at 3 fps, frames 0, 3, ..., 24 (the last repeated), five temporal
+# steps whose first frames are at 0, 2, 4, 6 and 8 s; more than the four of one attention clip of its tower,
+# and still one grid row
+STEPS_VIDEO = make_video(27, fps=3, width=64, height=48)
+STEP_SECONDS = ["0.0", "2.0", "4.0", "6.0", "8.0"]
 # vitserve's --sglang-timeout-s here: a part whose ranks never register fails after it, and so does a push its
 # receiver has not taken by then (at 5 s, one push of the whole suite beside a busy core did: failed 1)
 TIMEOUT_S = 12
