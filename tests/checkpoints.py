@@ -92,7 +92,10 @@ VLLM_ARCHITECTURES = {"cosmos3_omni": "Cosmos3ForConditionalGeneration"}
 # (vision start, vision end, image pad, video pad) in each family's prompts, where not Qwen's
 VLLM_MEDIA_TOKENS = {"exaone4_5": ("<vision>", "</vision>", "<|image_pad|>", "<|video_pad|>"),
                      "cohere_compass": ("<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"),
-                     "qwen2_5_omni": ("<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>")}
+                     "qwen2_5_omni": ("<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>"),
+                     # MiniMax-M3's prompts hold a bare marker per item: its processors write the brackets
+                     # (`]<]start of image[>[` ... `]<]end of image[>[`) around each frame's tokens themselves
+                     "minimax_m3_vl": ("", "", "]<]image[>[", "]<]video[>[")}
 # The Omni processors read their media tokens from the tokenizer's named special tokens (vLLM sizes
 # placeholders by `processor.image_token` / `video_token`), audio ones included: the released names.
 VLLM_OMNI_TOKENS = {
@@ -133,6 +136,8 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[preset_name]
+    if preset.family == "minimax_m3_vl":
+        return write_minimax_folder(preset, folder)
     omni = VLLM_OMNI_TOKENS.get(preset.family)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -236,3 +241,45 @@ def write_omni_processor(preset, folder: Path) -> None:
     video = {"video_processor_type": "Qwen2VLVideoProcessor", **(preset.video_preprocessor or preset.preprocessor)}
     (folder / "preprocessor_config.json").write_text(json.dumps({**audio, **image, "processor_class": processor}))
     (folder / "video_preprocessor_config.json").write_text(json.dumps({**video, "processor_class": processor}))
+
+
+# MiniMax-M3's media tokens, as its processors name them: the item markers, and the brackets they write around
+# each image and each frame of a video
+MINIMAX_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
+
+
+def write_minimax_folder(preset, folder: Path) -> Path:
+    """MiniMax-M3's folder as SGLang's language side loads it: the whole model's config (transformers', the
+    tower's output width as the tiny text model's, the media token ids of the tokenizer), a byte-level tokenizer
+    with MiniMax's media tokens, and the released preprocessor_config.json's layout, which SGLang's processor
+    (`_get_minimax_m31_processor`) reads: its patch and merge sizes under `img_token_compression_config` and a
+    `size` of [height, width] (the released [672, 672]; SGLang's own resizing reads it, the placeholders of
+    an encoder's rows do not)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *MINIMAX_TOKENS]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in specials}
+    _, _, image, video = VLLM_MEDIA_TOKENS[preset.family]
+    template = (VLLM_CHAT_TEMPLATE.replace("<|vision_start|>", "").replace("<|vision_end|>", "")
+                .replace("<|image_pad|>", image).replace("<|video_pad|>", video))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "model_max_length": 8192,
+        "chat_template": template}))
+    cfg = full_config(preset)
+    cfg.image_token_index, cfg.video_token_index = ids[image], ids[video]
+    cfg.text_config.vocab_size = 512
+    cfg.text_config.bos_token_id, cfg.text_config.eos_token_id = ids["<|endoftext|>"], ids["<|im_end|>"]
+    cfg.architectures = [CLASSES[preset.family]]
+    cfg.save_pretrained(folder)
+    image_config = {k: v for k, v in preset.preprocessor.items() if k != "size"}
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": FAMILIES[preset.family].image_processor, **image_config, "size": [672, 672],
+        "img_token_compression_config": {"spatial_merge_size": preset.preprocessor["merge_size"],
+                                         "temporal_patch_size": preset.preprocessor["temporal_patch_size"]}}))
+    return folder

@@ -38,11 +38,17 @@ from tests.videos import make_video
 PYTHON_VAR = "VITSERVE_SGLANG_PYTHON"
 HOW = "build SGLang's environment with tools/sglang_env.sh and set VITSERVE_SGLANG_PYTHON=.ci/sglang-env/bin/python"
 MAIN = "tiny-qwen3-vl"  # the scenarios run on it: DeepStack rows and Qwen3-VL's timestamps
+MINIMAX = "tiny-minimax-m3"
 MODELS = [MAIN, "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-          "tiny-qwen3-omni-moe"]
+          "tiny-qwen3-omni-moe", MINIMAX]
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)  # 2 s: at the default 2 fps, 4 frames, 2 temporal steps
 BROKEN = b"GIF89a not really"
+# MiniMax-M3 takes a frame a second: of 9 s at 3 fps, frames 0, 3, ..., 24 (the last repeated), five temporal
+# steps whose first frames are at 0, 2, 4, 6 and 8 s; more than the four of one attention clip of its tower,
+# and still one grid row
+STEPS_VIDEO = make_video(27, fps=3, width=64, height=48)
+STEP_SECONDS = ["0.0", "2.0", "4.0", "6.0", "8.0"]
 # vitserve's --sglang-timeout-s here: a part whose ranks never register fails after it, and so does a push its
 # receiver has not taken by then (at 5 s, one push of the whole suite beside a busy core did: failed 1)
 TIMEOUT_S = 12
@@ -91,6 +97,8 @@ def model_cases(name: str) -> list[dict[str, Any]]:
             case("never", name, [("image", IMAGES[0])], never_register=True),
             wire_case(),
         ]
+    if name == MINIMAX:  # a video of several temporal steps, each timed in the prompt
+        cases.append(case("steps", name, [("video", STEPS_VIDEO)]))
     return cases
 
 
@@ -119,7 +127,7 @@ def wire_case() -> dict[str, Any]:
 class Run:
     report: dict[str, Any]
     tensors: dict[str, torch.Tensor]
-    reference: dict[str, list[torch.Tensor]]  # model -> POST /encode's rows of each of MEDIA
+    reference: dict[str, list[torch.Tensor]]  # model -> POST /encode's rows of each of MEDIA; model/case -> its
     metrics: dict[str, dict[str, float]]  # model -> vitserve's push counters after the run
     folders: dict[str, Path]
 
@@ -127,9 +135,9 @@ class Run:
         return self.report[f"{model}/{name}"]
 
 
-def reference_rows(client: httpx.Client) -> list[torch.Tensor]:
-    """POST /encode's float rows of each of MEDIA: the main embedding, then the DeepStack levels."""
-    items = [{"type": k, k: base64.b64encode(d).decode()} for k, d in MEDIA]
+def reference_rows(client: httpx.Client, media: list[tuple[str, bytes]] = MEDIA) -> list[torch.Tensor]:
+    """POST /encode's float rows of each of `media`: the main embedding, then the DeepStack levels."""
+    items = [{"type": k, k: base64.b64encode(d).decode()} for k, d in media]
     r = client.post("/encode", json={"items": items, "include_deepstack": True})
     assert r.status_code == 200, r.text
     return [torch.cat([torch.tensor(p, dtype=torch.float32) for p in [e["embedding"], *e.get("deepstack", [])]], 1)
@@ -170,6 +178,8 @@ def run(tmp_path_factory) -> Run:
             folder = folders[name]
             with srv.client() as c:
                 reference[name] = reference_rows(c)
+                if name == MINIMAX:
+                    reference[f"{name}/steps"] = reference_rows(c, [("video", STEPS_VIDEO)])
             request["models"].append({"name": name, "dir": str(folder), "url": srv.url, "cases": model_cases(name)})
         text = json.dumps(request)
         for d in drivers:
@@ -214,10 +224,12 @@ def test_each_family_reaches_sglangs_processor(run, model):
     report = run.case(model, "parts")
     assert report["ok"], report
     assert_rows(run, model, "parts.0")
-    field = wire.MODEL_TYPES[PRESETS[model].family].video_field
+    family = PRESETS[model].family
+    field = wire.MODEL_TYPES[family].video_field
     videos = [i for i in report["items"] if i["modality"] == "video"]
     rows = len(run.reference[model][2])
-    if field == "video_timestamps":  # one item per temporal step, its time in the prompt
+    if field == "video_timestamps" and family != "minimax_m3_vl":  # one item per temporal step, its time in the
+        # prompt (MiniMax-M3: one item per video, test_minimax_times_each_temporal_step)
         assert [v["rows"] for v in videos] == [rows // 2] * 2
     else:
         assert [v["rows"] for v in videos] == [rows]
@@ -227,6 +239,25 @@ def test_each_family_reaches_sglangs_processor(run, model):
                 else config["vision_config"]["tokens_per_second"])
         steps = sorted({float(t) for t in report["t_positions"][-1]})  # the video's temporal positions
         assert len(steps) == 2 and steps[1] - steps[0] == pytest.approx(1.0 * rate), (steps, rate)
+
+
+def test_minimax_times_each_temporal_step(run):
+    """MiniMax-M3's video is one item whose placeholders are a run per temporal step, each after the time of
+    the step's first frame, as vitserve sent them; its rows are POST /encode's."""
+    from tokenizers import Tokenizer
+
+    report = run.case(MINIMAX, "steps")
+    assert report["ok"], report
+    want = run.reference[f"{MINIMAX}/steps"][0]
+    assert torch.equal(run.tensors[f"{MINIMAX}/steps.0.video"], want)
+    [video] = report["items"]
+    assert video["rows"] == len(want) and len(video["offsets"]) == len(STEP_SECONDS)
+    per_step = len(want) // len(STEP_SECONDS)
+    assert [b - a + 1 for a, b in video["offsets"]] == [per_step] * len(STEP_SECONDS)
+    text = Tokenizer.from_file(str(run.folders[MINIMAX] / "tokenizer.json")).decode(
+        report["input_ids"], skip_special_tokens=False)
+    frame = "]<]start of image[>[" + "]<]video[>[" * per_step + "]<]end of image[>["
+    assert "user\n" + "".join(f"]<]{s} seconds[>[{frame}" for s in STEP_SECONDS) + "Describe." in text, text
 
 
 def test_two_ranks_each_get_every_part(run):

@@ -94,6 +94,16 @@ def test_seconds_per_step_are_a_float32_tensor():
     assert state["video_timestamps"] is None and state["dtype"] is torch.float32
 
 
+def test_minimax_times_a_temporal_step_by_its_first_frame():
+    """MiniMax-M3's prompt times each step by its first frame's index over the source rate (Qwen3-VL's would
+    be 0.5, 2.5, 4.0 here); a step that pads an odd count with the last frame starts at that frame."""
+    meta = {"frame_indices": [0, 3, 6, 9, 12], "video_fps": 3.0}
+    assert wire.first_frame_times(meta, 2) == [0.0, 2.0, 4.0]
+    assert wire.first_frame_times({"frame_indices": [5, 10], "video_fps": 10.0}, 2) == [0.5]
+    assert wire.first_frame_times({"frame_indices": [0, 3]}, 2) is None  # no source rate: no times
+    assert wire.MODEL_TYPES["minimax_m3_vl"].step_times is wire.first_frame_times
+
+
 def test_an_error_part():
     state, named = read(wire.error_frame("e_local_part_0", 2, 0, "image", "item 1: bad", 422))
     assert list(state) == FIELDS

@@ -42,21 +42,37 @@ def patch_grid(grid: tuple[int, int, int]) -> list[int]:
     return list(grid)
 
 
+def first_frame_times(meta: dict[str, Any], temporal_patch_size: int) -> list[float] | None:
+    """`video_timestamps` as MiniMax-M3's processors write them into the prompt (`]<]{s:.1f} seconds[>[`
+    before each temporal step, SGLang's, vLLM's and transformers' alike): the time of the step's first frame,
+    its sampled index over the source frame rate (a step past the last frame takes the last one's). `meta` is
+    an item's: `frame_indices`, `video_fps`."""
+    indices, fps = meta.get("frame_indices"), meta.get("video_fps")
+    if not indices or not fps:
+        return None
+    steps = -(-len(indices) // temporal_patch_size)
+    return [int(indices[min(k * temporal_patch_size, len(indices) - 1)]) / float(fps) for k in range(steps)]
+
+
 @dataclass(frozen=True)
 class ModelType:
     """How SGLang's language side reads the parts of one model type: the video field its prompt or M-RoPE
-    reads (one value per video), whether it takes video from an encoder at all, and the grid_dim row it
-    sizes an item's placeholders from."""
+    reads (one value per video), whether it takes video from an encoder at all, the grid_dim row it
+    sizes an item's placeholders from, and for `video_timestamps` how a temporal step's time is taken from an
+    item's meta (None: Qwen3-VL's, the mean of the step's first and last frame)."""
 
     video_field: str | None = None
     takes_video: bool = True
     grid_row: Callable[[tuple[int, int, int]], list[int]] = patch_grid
+    step_times: Callable[[dict[str, Any], int], list[float] | None] | None = None
 
 
 # The model types SGLang's encoder disaggregation accepts (its server-argument check) that vitserve serves.
 # Qwen3-VL's and Qwen3.5's prompts hold each temporal step's time; the M-RoPE of Qwen2.5-VL and the Omni
 # models spaces the steps by seconds per step; Qwen2-VL reads neither. Qwen3.8 (qwen4_exp) and Cosmos3-Nano
-# are not on SGLang's list, whose language-only server refuses them.
+# are not on SGLang's list, whose language-only server refuses them. MiniMax-M3's prompt holds each temporal
+# step's time too (its first frame's); its grid row is the whole video's (t, h, w), which its tower cuts into
+# clips of four steps itself.
 MODEL_TYPES: dict[str, ModelType] = {
     "qwen2_vl": ModelType(),
     "qwen2_5_vl": ModelType("second_per_grid_ts"),
@@ -64,6 +80,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     "qwen3_5": ModelType("video_timestamps"), "qwen3_5_moe": ModelType("video_timestamps"),
     "qwen2_5_omni": ModelType("second_per_grid_ts"), "qwen2_5_omni_thinker": ModelType("second_per_grid_ts"),
     "qwen3_omni_moe": ModelType("second_per_grid_ts"), "qwen3_omni_moe_thinker": ModelType("second_per_grid_ts"),
+    "minimax_m3_vl": ModelType("video_timestamps", step_times=first_frame_times),
 }
 
 

@@ -122,7 +122,8 @@ def part_frames(part: EncodePart, results: list[ItemResult], model: ModelInfo, s
     stamps = seconds = None
     field = served.video_field
     if part.modality == "video" and field == "video_timestamps":
-        stamps = [grid_timestamps(r.meta, model.processor.temporal_patch_size) for r in results]
+        times = served.step_times or grid_timestamps
+        stamps = [times(r.meta, model.processor.temporal_patch_size) for r in results]
         if any(s is None or len(s) != r.grid_thw[0] for s, r in zip(stamps, results)):
             raise RuntimeError(f"{part.req_id}: a video without a timestamp per temporal step")
     elif part.modality == "video" and field == "second_per_grid_ts":
