@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import zmq
 
+from service.handoff.vllm import grid_timestamps
+from service.http.sglang_body import first_frame_times
 from tests.http_helpers import ServerThread, image_bytes, settings, shm_entries
 from tests.test_sglang_wire import Modality, read
 
@@ -312,3 +314,13 @@ def test_a_gpu_server_pushes_bfloat16_rows_with_deepstack(zctx):
         got = torch.frombuffer(bytearray(rows), dtype=torch.bfloat16).reshape(state["shape"])
         assert torch.equal(got, torch.cat(want))
     rx.close()
+
+
+def test_muse_times_a_clip_by_its_first_frame():
+    """Muse's prompts show each clip's first frame's time (transformers' MuseSparkProcessor); Qwen3-VL's the
+    mean of its first and last frame's."""
+    meta = {"frame_indices": [0, 2, 4, 7], "video_fps": 4.0}
+    assert first_frame_times(meta, 2) == [0.0, 1.0]
+    assert grid_timestamps(meta, 2) == [0.25, 1.375]
+    assert first_frame_times({"frame_indices": [0, 3, 6], "video_fps": 2.0}, 2) == [0.0, 3.0]  # a last clip of one
+    assert first_frame_times({"video_fps": 2.0}, 2) is None

@@ -125,3 +125,13 @@ def test_no_other_dtype_or_value():
         wire.metadata_frame(wire.PartMeta("x", 1, 0, "image", [(1, 2, 2)], "int8", (1, 1)))
     with pytest.raises(TypeError):
         wire._dumps(object())
+
+
+def test_muses_rows_are_merged_grids():
+    """SGLang's Muse processor sizes an image by t*h*w of grid_dim's row and a video's clips by h*w: the
+    merged tokens' grid, not the patches' that the Qwen-VL processors read."""
+    muse, qwen = wire.MODEL_TYPES["muse_spark"], wire.MODEL_TYPES["qwen3_vl"]
+    assert muse.row((1, 8, 10), 2) == [1, 4, 5] and muse.row((2, 4, 6), 2) == [2, 2, 3]
+    assert qwen.row((1, 8, 10), 2) == [1, 8, 10]
+    with pytest.raises(ValueError, match="merge blocks"):
+        muse.row((1, 8, 9), 2)

@@ -46,11 +46,24 @@ def patch_grid(grid: tuple[int, int, int]) -> list[int]:
 class ModelType:
     """How SGLang's language side reads the parts of one model type: the video field its prompt or M-RoPE
     reads (one value per video), whether it takes video from an encoder at all, and the grid_dim row it
-    sizes an item's placeholders from."""
+    sizes an item's placeholders from. `merged_grid`: that row is the merged tokens' grid (t, h / merge,
+    w / merge), not the patches'. `step_time`: the time a video_timestamps entry gives a temporal step, the
+    mean of its first and last frame's (Qwen3-VL) or its first frame's (Muse)."""
 
     video_field: str | None = None
     takes_video: bool = True
     grid_row: Callable[[tuple[int, int, int]], list[int]] = patch_grid
+    merged_grid: bool = False
+    step_time: str = "mean"  # mean | first
+
+    def row(self, grid: tuple[int, int, int], merge: int) -> list[int]:
+        """grid_dim's row for an item of vitserve's (t, h, w) in patches, merged `merge` x `merge`."""
+        row = self.grid_row(grid)
+        if self.merged_grid:
+            if row[1] % merge or row[2] % merge:
+                raise ValueError(f"grid {list(grid)} is not whole {merge}x{merge} merge blocks")
+            row = [row[0], row[1] // merge, row[2] // merge]
+        return row
 
 
 # The model types SGLang's encoder disaggregation accepts (its server-argument check) that vitserve serves.
@@ -64,6 +77,9 @@ MODEL_TYPES: dict[str, ModelType] = {
     "qwen3_5": ModelType("video_timestamps"), "qwen3_5_moe": ModelType("video_timestamps"),
     "qwen2_5_omni": ModelType("second_per_grid_ts"), "qwen2_5_omni_thinker": ModelType("second_per_grid_ts"),
     "qwen3_omni_moe": ModelType("second_per_grid_ts"), "qwen3_omni_moe_thinker": ModelType("second_per_grid_ts"),
+    # SGLang's Muse processor (muse_spark_omni) reads merged grids: an image's t*h*w tokens, a video's t clips
+    # of h*w tokens, each after its first frame's time, as transformers' MuseSparkProcessor prints them.
+    "muse_spark": ModelType("video_timestamps", merged_grid=True, step_time="first"),
 }
 
 

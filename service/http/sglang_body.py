@@ -122,17 +122,28 @@ def part_frames(part: EncodePart, results: list[ItemResult], model: ModelInfo, s
     stamps = seconds = None
     field = served.video_field
     if part.modality == "video" and field == "video_timestamps":
-        stamps = [grid_timestamps(r.meta, model.processor.temporal_patch_size) for r in results]
+        times = grid_timestamps if served.step_time == "mean" else first_frame_times
+        stamps = [times(r.meta, model.processor.temporal_patch_size) for r in results]
         if any(s is None or len(s) != r.grid_thw[0] for s, r in zip(stamps, results)):
             raise RuntimeError(f"{part.req_id}: a video without a timestamp per temporal step")
     elif part.modality == "video" and field == "second_per_grid_ts":
         seconds = [seconds_per_step(r.meta) for r in results]
         if any(s is None for s in seconds):
             raise RuntimeError(f"{part.req_id}: a video without its seconds per temporal step")
+    merge = model.processor.video_merge_size if part.modality == "video" else model.processor.merge_size
     meta = wire.PartMeta(part.req_id, part.num_parts, part.part_idx, part.modality,
-                         [served.grid_row(tuple(r.grid_thw)) for r in results], model.dtype_name, (rows, model.width),
+                         [served.row(tuple(r.grid_thw), merge) for r in results], model.dtype_name, (rows, model.width),
                          stamps, seconds)  # type: ignore[arg-type]
     return [wire.metadata_frame(meta), buf]
+
+
+def first_frame_times(meta: dict[str, Any], temporal_patch_size: int) -> list[float] | None:
+    """Seconds of each temporal grid step as Muse's processors print them (transformers' MuseSparkProcessor,
+    SGLang's muse_spark_omni): the first sampled frame's of each step, its source index over the source rate."""
+    indices, fps = meta.get("frame_indices"), meta.get("video_fps")
+    if not indices or not fps:
+        return None
+    return [int(i) / float(fps) for i in indices[::temporal_patch_size]]
 
 
 def digest(data: bytes) -> str:
