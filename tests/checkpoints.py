@@ -236,3 +236,56 @@ def write_omni_processor(preset, folder: Path) -> None:
     video = {"video_processor_type": "Qwen2VLVideoProcessor", **(preset.video_preprocessor or preset.preprocessor)}
     (folder / "preprocessor_config.json").write_text(json.dumps({**audio, **image, "processor_class": processor}))
     (folder / "video_preprocessor_config.json").write_text(json.dumps({**video, "processor_class": processor}))
+
+
+# ---- what SGLang's language side needs for Muse-Spark-Open ------------------------------------------
+# The Muse processors' media tokens (transformers' MuseSparkProcessor; SGLang's muse_spark_omni processor
+# looks each up by name and refuses a tokenizer without it; the soft-audio pair is optional there)
+MUSE_TOKENS = ["<|image_start|>", "<|image_end|>", "<|patch|>", "<|vid_start|>", "<|vid_end|>",
+               "<|vid_frame_separator|>", "<|video|>", "<|audio|>", "<|soft_audio_start|>", "<|soft_audio_end|>",
+               "<|begin_of_text|>", "<|end_of_text|>"]
+# A chat layout reduced to what placeholders need: an image is a bare <|patch|>, a video a bare <|video|>,
+# which the processors expand (start, tokens, end; a video's clips with their times).
+MUSE_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|patch|>{% elif part['type'] == 'video' %}<|video|>{% endif %}{% endfor %}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def write_muse_model_folder(preset_name: str, folder: Path) -> Path:
+    """A Muse-Spark-Open folder SGLang's language-only server loads without weights or a hub: the whole
+    model's config (the preset's, `full_config`: vision tower, adapter sizes, a tiny text model as wide as
+    the tower's output and a tiny audio encoder) with the media token ids of a byte-level tokenizer (256 byte
+    tokens plus `MUSE_TOKENS`), and transformers' MuseSparkProcessor's files: the image and video processors'
+    settings (the preset's) and the audio feature extractor's."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[preset_name]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MUSE_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in MUSE_TOKENS}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+        "model_max_length": 8192, "chat_template": MUSE_CHAT_TEMPLATE}))
+    cfg = full_config(preset)
+    cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id = ids["<|patch|>"], ids["<|video|>"], ids["<|audio|>"]
+    cfg.text_config.vocab_size = 512
+    cfg.text_config.bos_token_id, cfg.text_config.eos_token_id = ids["<|begin_of_text|>"], ids["<|end_of_text|>"]
+    cfg.architectures = [CLASSES[preset.family]]
+    cfg.save_pretrained(folder)
+    processor = "MuseSparkProcessor"
+    image = {"image_processor_type": FAMILIES[preset.family].image_processor, **preset.preprocessor,
+             "processor_class": processor}
+    video = {"video_processor_type": "MuseGlimmerVideoProcessor", **(preset.video_preprocessor or {}),
+             "processor_class": processor}
+    (folder / "preprocessor_config.json").write_text(json.dumps(image))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    return folder
