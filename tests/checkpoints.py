@@ -92,10 +92,7 @@ VLLM_ARCHITECTURES = {"cosmos3_omni": "Cosmos3ForConditionalGeneration"}
 # (vision start, vision end, image pad, video pad) in each family's prompts, where not Qwen's
 VLLM_MEDIA_TOKENS = {"exaone4_5": ("<vision>", "</vision>", "<|image_pad|>", "<|video_pad|>"),
                      "cohere_compass": ("<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"),
-                     "qwen2_5_omni": ("<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>"),
-                     # MiniMax-M3's prompts hold a bare marker per item: its processors write the brackets
-                     # (`]<]start of image[>[` ... `]<]end of image[>[`) around each frame's tokens themselves
-                     "minimax_m3_vl": ("", "", "]<]image[>[", "]<]video[>[")}
+                     "qwen2_5_omni": ("<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>")}
 # The Omni processors read their media tokens from the tokenizer's named special tokens (vLLM sizes
 # placeholders by `processor.image_token` / `video_token`), audio ones included: the released names.
 VLLM_OMNI_TOKENS = {
@@ -136,8 +133,6 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[preset_name]
-    if preset.family == "minimax_m3_vl":
-        return write_minimax_folder(preset, folder)
     omni = VLLM_OMNI_TOKENS.get(preset.family)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -243,12 +238,12 @@ def write_omni_processor(preset, folder: Path) -> None:
     (folder / "video_preprocessor_config.json").write_text(json.dumps({**video, "processor_class": processor}))
 
 
-# MiniMax-M3's media tokens, as its processors name them: the item markers, and the brackets they write around
-# each image and each frame of a video
+# MiniMax-M3's media tokens, as its processors name them: the item markers (a prompt holds them bare), and the
+# brackets the processors write around each image and each frame of a video
 MINIMAX_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
 
 
-def write_minimax_folder(preset, folder: Path) -> Path:
+def write_minimax_folder(preset_name: str, folder: Path) -> Path:
     """MiniMax-M3's folder as SGLang's language side loads it: the whole model's config (transformers', the
     tower's output width as the tiny text model's, the media token ids of the tokenizer), a byte-level tokenizer
     with MiniMax's media tokens, and the released preprocessor_config.json's layout, which SGLang's processor
@@ -257,6 +252,8 @@ def write_minimax_folder(preset, folder: Path) -> Path:
     an encoder's rows do not)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+    folder.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[preset_name]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *MINIMAX_TOKENS]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -265,7 +262,7 @@ def write_minimax_folder(preset, folder: Path) -> Path:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(folder / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in specials}
-    _, _, image, video = VLLM_MEDIA_TOKENS[preset.family]
+    image, video = MINIMAX_TOKENS[:2]
     template = (VLLM_CHAT_TEMPLATE.replace("<|vision_start|>", "").replace("<|vision_end|>", "")
                 .replace("<|image_pad|>", image).replace("<|video_pad|>", video))
     (folder / "tokenizer_config.json").write_text(json.dumps({
@@ -282,4 +279,57 @@ def write_minimax_folder(preset, folder: Path) -> Path:
         "image_processor_type": FAMILIES[preset.family].image_processor, **image_config, "size": [672, 672],
         "img_token_compression_config": {"spatial_merge_size": preset.preprocessor["merge_size"],
                                          "temporal_patch_size": preset.preprocessor["temporal_patch_size"]}}))
+    return folder
+
+
+# ---- what SGLang's language side needs for Muse-Spark-Open ------------------------------------------
+# The Muse processors' media tokens (transformers' MuseSparkProcessor; SGLang's muse_spark_omni processor
+# looks each up by name and refuses a tokenizer without it; the soft-audio pair is optional there)
+MUSE_TOKENS = ["<|image_start|>", "<|image_end|>", "<|patch|>", "<|vid_start|>", "<|vid_end|>",
+               "<|vid_frame_separator|>", "<|video|>", "<|audio|>", "<|soft_audio_start|>", "<|soft_audio_end|>",
+               "<|begin_of_text|>", "<|end_of_text|>"]
+# A chat layout reduced to what placeholders need: an image is a bare <|patch|>, a video a bare <|video|>,
+# which the processors expand (start, tokens, end; a video's clips with their times).
+MUSE_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|patch|>{% elif part['type'] == 'video' %}<|video|>{% endif %}{% endfor %}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def write_muse_model_folder(preset_name: str, folder: Path) -> Path:
+    """A Muse-Spark-Open folder SGLang's language-only server loads without weights or a hub: the whole
+    model's config (the preset's, `full_config`: vision tower, adapter sizes, a tiny text model as wide as
+    the tower's output and a tiny audio encoder) with the media token ids of a byte-level tokenizer (256 byte
+    tokens plus `MUSE_TOKENS`), and transformers' MuseSparkProcessor's files: the image and video processors'
+    settings (the preset's) and the audio feature extractor's."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[preset_name]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MUSE_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in MUSE_TOKENS}
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+        "model_max_length": 8192, "chat_template": MUSE_CHAT_TEMPLATE}))
+    cfg = full_config(preset)
+    cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id = ids["<|patch|>"], ids["<|video|>"], ids["<|audio|>"]
+    cfg.text_config.vocab_size = 512
+    cfg.text_config.bos_token_id, cfg.text_config.eos_token_id = ids["<|begin_of_text|>"], ids["<|end_of_text|>"]
+    cfg.architectures = [CLASSES[preset.family]]
+    cfg.save_pretrained(folder)
+    processor = "MuseSparkProcessor"
+    image = {"image_processor_type": FAMILIES[preset.family].image_processor, **preset.preprocessor,
+             "processor_class": processor}
+    video = {"video_processor_type": "MuseGlimmerVideoProcessor", **(preset.video_preprocessor or {}),
+             "processor_class": processor}
+    (folder / "preprocessor_config.json").write_text(json.dumps(image))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
     return folder

@@ -312,3 +312,4 @@ def test_a_gpu_server_pushes_bfloat16_rows_with_deepstack(zctx):
         got = torch.frombuffer(bytearray(rows), dtype=torch.bfloat16).reshape(state["shape"])
         assert torch.equal(got, torch.cat(want))
     rx.close()
+

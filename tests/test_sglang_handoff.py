@@ -28,10 +28,11 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from models.presets import PRESETS
 from service.handoff import sglang_wire as wire
-from tests.checkpoints import VLLM_MEDIA_TOKENS, write_vllm_model_folder
+from tests.checkpoints import VLLM_MEDIA_TOKENS, write_minimax_folder, write_muse_model_folder, write_vllm_model_folder
 from tests.http_helpers import ROOT, ServerThread, free_port, image_bytes, settings
 from tests.videos import make_video
 
@@ -40,7 +41,13 @@ HOW = "build SGLang's environment with tools/sglang_env.sh and set VITSERVE_SGLA
 MAIN = "tiny-qwen3-vl"  # the scenarios run on it: DeepStack rows and Qwen3-VL's timestamps
 MINIMAX = "tiny-minimax-m3"
 MODELS = [MAIN, "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-          "tiny-qwen3-omni-moe", MINIMAX]
+          "tiny-qwen3-omni-moe", MINIMAX, "tiny-muse-spark"]
+# The folder SGLang's language side loads for a family, where vLLM's (write_vllm_model_folder) is not it
+FOLDERS = {"minimax_m3_vl": write_minimax_folder, "muse_spark": write_muse_model_folder}
+# A family's media placeholders in a prompt, where not the Qwen-VL ones: (start, end, image, video); MiniMax's
+# and Muse's are bare markers, which their processors expand
+PROMPT_TOKENS = {"minimax_m3_vl": ("", "", "]<]image[>[", "]<]video[>["),
+                 "muse_spark": ("", "", "<|patch|>", "<|video|>")}
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)  # 2 s: at the default 2 fps, 4 frames, 2 temporal steps
 BROKEN = b"GIF89a not really"
@@ -69,8 +76,9 @@ def data_url(kind: str, data: bytes) -> str:
 
 
 def prompt(name: str, kinds: list[str]) -> str:
-    """A chat turn with one placeholder per item, as the Qwen-VL templates write them."""
-    start, end, image, video = VLLM_MEDIA_TOKENS.get(PRESETS[name].family, (
+    """A chat turn with one placeholder per item, as the Qwen-VL templates write them (Muse's: bare)."""
+    family = PRESETS[name].family
+    start, end, image, video = PROMPT_TOKENS.get(family) or VLLM_MEDIA_TOKENS.get(family, (
         "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
     pads = "".join(f"{start}{image if k == 'image' else video}{end}" for k in kinds)
     return f"<|im_start|>user\n{pads}Describe.<|im_end|>\n<|im_start|>assistant\n"
@@ -166,7 +174,7 @@ def run(tmp_path_factory) -> Run:
                                 env=env) for r in range(2)]
     # Each family's folder first: this imports transformers' config classes here, not in the threads below
     # (whose concurrent lazy imports of transformers race).
-    folders = {name: write_vllm_model_folder(name, work / name) for name in MODELS}
+    folders = {name: FOLDERS.get(PRESETS[name].family, write_vllm_model_folder)(name, work / name) for name in MODELS}
     servers = {name: ServerThread(settings(model=name, cache_bytes=32 << 20, sglang_timeout_s=TIMEOUT_S,
                                            preprocess_workers=1)) for name in MODELS}
     try:
@@ -219,6 +227,16 @@ def assert_rows(run: Run, model: str, key: str, items: tuple[int, ...] = (0, 1, 
             assert torch.equal(run.tensors[f"{model}/{key}.{modality}"], torch.cat(want)), (model, key, modality)
 
 
+def muse_prompt(run: Run, model: str) -> str:
+    """The prompt as transformers' MuseSparkProcessor expands it for MEDIA, sized by POST /encode's rows: an
+    image's tokens between its start and end, a video's clips each after its first frame's time. Muse samples
+    VIDEO (8 frames at 4 fps) at 2 fps: frames 0, 2, 4 and 7, two clips of two, starting at 0 s and 1 s."""
+    images = "".join("<|image_start|>" + "<|patch|>" * len(run.reference[model][i]) + "<|image_end|>" for i in (0, 1))
+    clip = "<|video|>" * (len(run.reference[model][2]) // 2)
+    video = f"<|vid_start|>Time: 0.0s{clip}<|vid_frame_separator|>Time: 1.0s{clip}<|vid_end|>"
+    return prompt(model, []).replace("Describe.", images + video + "Describe.")
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_each_family_reaches_sglangs_processor(run, model):
     report = run.case(model, "parts")
@@ -228,8 +246,12 @@ def test_each_family_reaches_sglangs_processor(run, model):
     field = wire.MODEL_TYPES[family].video_field
     videos = [i for i in report["items"] if i["modality"] == "video"]
     rows = len(run.reference[model][2])
-    if field == "video_timestamps" and family != "minimax_m3_vl":  # one item per temporal step, its time in the
-        # prompt (MiniMax-M3: one item per video, test_minimax_times_each_temporal_step)
+    if family == "muse_spark":  # one item per video, a run of tokens per clip after the clip's time
+        assert [(v["rows"], len(v["offsets"])) for v in videos] == [(rows, 2)]
+        tokenizer = Tokenizer.from_file(str(run.folders[model] / "tokenizer.json"))
+        assert tokenizer.decode(report["input_ids"], skip_special_tokens=False) == muse_prompt(run, model)
+    elif field == "video_timestamps" and family != "minimax_m3_vl":  # one item per temporal step, its time in
+        # the prompt (MiniMax-M3: one item per video, test_minimax_times_each_temporal_step)
         assert [v["rows"] for v in videos] == [rows // 2] * 2
     else:
         assert [v["rows"] for v in videos] == [rows]
@@ -244,8 +266,6 @@ def test_each_family_reaches_sglangs_processor(run, model):
 def test_minimax_times_each_temporal_step(run):
     """MiniMax-M3's video is one item whose placeholders are a run per temporal step, each after the time of
     the step's first frame, as vitserve sent them; its rows are POST /encode's."""
-    from tokenizers import Tokenizer
-
     report = run.case(MINIMAX, "steps")
     assert report["ok"], report
     want = run.reference[f"{MINIMAX}/steps"][0]

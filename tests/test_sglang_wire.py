@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from service.handoff import sglang_wire as wire
+from service.handoff.vllm import grid_timestamps
 
 # SGLang 0.5.23: `EmbeddingData.copy_without_embedding()`'s __dict__, in order, as its encoder pickles it.
 FIELDS = ["req_id", "num_parts", "part_idx", "grid_dim", "modality", "embedding", "send_time", "dtype", "shape",
@@ -94,14 +95,17 @@ def test_seconds_per_step_are_a_float32_tensor():
     assert state["video_timestamps"] is None and state["dtype"] is torch.float32
 
 
-def test_minimax_times_a_temporal_step_by_its_first_frame():
-    """MiniMax-M3's prompt times each step by its first frame's index over the source rate (Qwen3-VL's would
-    be 0.5, 2.5, 4.0 here); a step that pads an odd count with the last frame starts at that frame."""
+def test_minimax_and_muse_time_a_temporal_step_by_its_first_frame():
+    """The MiniMax-M3 and Muse prompts time each step by its first frame's index over the source rate
+    (Qwen3-VL's would be 0.5, 2.5, 4.0 here); a step that pads an odd count with the last frame starts at
+    that frame."""
     meta = {"frame_indices": [0, 3, 6, 9, 12], "video_fps": 3.0}
     assert wire.first_frame_times(meta, 2) == [0.0, 2.0, 4.0]
+    assert grid_timestamps(meta, 2) == [0.5, 2.5, 4.0]
     assert wire.first_frame_times({"frame_indices": [5, 10], "video_fps": 10.0}, 2) == [0.5]
     assert wire.first_frame_times({"frame_indices": [0, 3]}, 2) is None  # no source rate: no times
     assert wire.MODEL_TYPES["minimax_m3_vl"].step_times is wire.first_frame_times
+    assert wire.MODEL_TYPES["muse_spark"].step_times is wire.first_frame_times
 
 
 def test_an_error_part():
@@ -135,3 +139,13 @@ def test_no_other_dtype_or_value():
         wire.metadata_frame(wire.PartMeta("x", 1, 0, "image", [(1, 2, 2)], "int8", (1, 1)))
     with pytest.raises(TypeError):
         wire._dumps(object())
+
+
+def test_muses_rows_are_merged_grids():
+    """SGLang's Muse processor sizes an image by t*h*w of grid_dim's row and a video's clips by h*w: the
+    merged tokens' grid, not the patches' that the Qwen-VL processors read."""
+    muse, qwen = wire.MODEL_TYPES["muse_spark"], wire.MODEL_TYPES["qwen3_vl"]
+    assert muse.grid_row((1, 8, 10), 2) == [1, 4, 5] and muse.grid_row((2, 4, 6), 2) == [2, 2, 3]
+    assert qwen.grid_row((1, 8, 10), 2) == [1, 8, 10]
+    with pytest.raises(ValueError, match="merge blocks"):
+        muse.grid_row((1, 8, 9), 2)

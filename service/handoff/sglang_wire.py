@@ -37,16 +37,26 @@ DTYPES = ("float32", "bfloat16", "float16")
 GLOBALS = frozenset({RECEIVER, MODALITY, ("torch", "LongTensor"), ("torch", "FloatTensor"),
                      *(("torch", d) for d in DTYPES)})
 
-def patch_grid(grid: tuple[int, int, int]) -> list[int]:
+
+def patch_grid(grid: tuple[int, int, int], merge: int) -> list[int]:
     """grid_dim's row for an item as the Qwen-VL processors read it: vitserve's (t, h, w) in patches."""
     return list(grid)
 
 
+def merged_grid(grid: tuple[int, int, int], merge: int) -> list[int]:
+    """grid_dim's row as the merged tokens' grid (t, h / merge, w / merge), as Muse's processors read it."""
+    t, h, w = grid
+    if h % merge or w % merge:
+        raise ValueError(f"grid {list(grid)} is not whole {merge}x{merge} merge blocks")
+    return [t, h // merge, w // merge]
+
+
 def first_frame_times(meta: dict[str, Any], temporal_patch_size: int) -> list[float] | None:
-    """`video_timestamps` as MiniMax-M3's processors write them into the prompt (`]<]{s:.1f} seconds[>[`
-    before each temporal step, SGLang's, vLLM's and transformers' alike): the time of the step's first frame,
-    its sampled index over the source frame rate (a step past the last frame takes the last one's). `meta` is
-    an item's: `frame_indices`, `video_fps`."""
+    """`video_timestamps` as the MiniMax-M3 and Muse processors write them into the prompt (MiniMax's
+    `]<]{s:.1f} seconds[>[` before each temporal step, SGLang's, vLLM's and transformers' alike; Muse's
+    `Time: {s:.1f}s` before each clip): the time of the step's first frame, its sampled index over the
+    source frame rate (a step past the last frame takes the last one's). `meta` is an item's: `frame_indices`,
+    `video_fps`."""
     indices, fps = meta.get("frame_indices"), meta.get("video_fps")
     if not indices or not fps:
         return None
@@ -57,13 +67,14 @@ def first_frame_times(meta: dict[str, Any], temporal_patch_size: int) -> list[fl
 @dataclass(frozen=True)
 class ModelType:
     """How SGLang's language side reads the parts of one model type: the video field its prompt or M-RoPE
-    reads (one value per video), whether it takes video from an encoder at all, the grid_dim row it
-    sizes an item's placeholders from, and for `video_timestamps` how a temporal step's time is taken from an
-    item's meta (None: Qwen3-VL's, the mean of the step's first and last frame)."""
+    reads (one value per video), whether it takes video from an encoder at all, the grid_dim row it sizes
+    an item's placeholders from (given vitserve's (t, h, w) in patches and the merge size), and for
+    `video_timestamps` how a temporal step's time is taken from an item's meta (None: Qwen3-VL's, the mean of
+    the step's first and last frame)."""
 
     video_field: str | None = None
     takes_video: bool = True
-    grid_row: Callable[[tuple[int, int, int]], list[int]] = patch_grid
+    grid_row: Callable[[tuple[int, int, int], int], list[int]] = patch_grid
     step_times: Callable[[dict[str, Any], int], list[float] | None] | None = None
 
 
@@ -81,6 +92,9 @@ MODEL_TYPES: dict[str, ModelType] = {
     "qwen2_5_omni": ModelType("second_per_grid_ts"), "qwen2_5_omni_thinker": ModelType("second_per_grid_ts"),
     "qwen3_omni_moe": ModelType("second_per_grid_ts"), "qwen3_omni_moe_thinker": ModelType("second_per_grid_ts"),
     "minimax_m3_vl": ModelType("video_timestamps", step_times=first_frame_times),
+    # SGLang's Muse processor (muse_spark_omni) reads merged grids: an image's t*h*w tokens, a video's t clips
+    # of h*w tokens, each after its first frame's time, as transformers' MuseSparkProcessor prints them.
+    "muse_spark": ModelType("video_timestamps", grid_row=merged_grid, step_times=first_frame_times),
 }
 
 

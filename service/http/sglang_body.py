@@ -130,9 +130,10 @@ def part_frames(part: EncodePart, results: list[ItemResult], model: ModelInfo, s
         seconds = [seconds_per_step(r.meta) for r in results]
         if any(s is None for s in seconds):
             raise RuntimeError(f"{part.req_id}: a video without its seconds per temporal step")
-    meta = wire.PartMeta(part.req_id, part.num_parts, part.part_idx, part.modality,
-                         [served.grid_row(tuple(r.grid_thw)) for r in results], model.dtype_name, (rows, model.width),
-                         stamps, seconds)  # type: ignore[arg-type]
+    merge = model.processor.video_merge_size if part.modality == "video" else model.processor.merge_size
+    grids = [served.grid_row(tuple(r.grid_thw), merge) for r in results]  # type: ignore[arg-type]
+    meta = wire.PartMeta(part.req_id, part.num_parts, part.part_idx, part.modality, grids, model.dtype_name,
+                         (rows, model.width), stamps, seconds)
     return [wire.metadata_frame(meta), buf]
 
 
