@@ -56,7 +56,9 @@ class ModelType:
 # The model types SGLang's encoder disaggregation accepts (its server-argument check) that vitserve serves.
 # Qwen3-VL's and Qwen3.5's prompts hold each temporal step's time; the M-RoPE of Qwen2.5-VL and the Omni
 # models spaces the steps by seconds per step; Qwen2-VL reads neither. Qwen3.8 (qwen4_exp) and Cosmos3-Nano
-# are not on SGLang's list, whose language-only server refuses them.
+# are not on SGLang's list, whose language-only server refuses them. Kimi-K2.5/K2.6: an image's row is its
+# patch grid (1, h, w), h*w/4 tokens, as Moonshot's processor writes `grid_thws`; SGLang's Kimi processor places
+# image rows alone (its model has no video path), so a video part is refused.
 MODEL_TYPES: dict[str, ModelType] = {
     "qwen2_vl": ModelType(),
     "qwen2_5_vl": ModelType("second_per_grid_ts"),
@@ -64,6 +66,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     "qwen3_5": ModelType("video_timestamps"), "qwen3_5_moe": ModelType("video_timestamps"),
     "qwen2_5_omni": ModelType("second_per_grid_ts"), "qwen2_5_omni_thinker": ModelType("second_per_grid_ts"),
     "qwen3_omni_moe": ModelType("second_per_grid_ts"), "qwen3_omni_moe_thinker": ModelType("second_per_grid_ts"),
+    "kimi_k25": ModelType(takes_video=False),
 }
 
 
