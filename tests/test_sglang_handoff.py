@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from models.presets import PRESETS
 from service.handoff import sglang_wire as wire
-from tests.checkpoints import VLLM_MEDIA_TOKENS, write_vllm_model_folder
+from tests.checkpoints import SGLANG_KIMI_TOKENS, VLLM_MEDIA_TOKENS, write_sglang_kimi_folder, write_vllm_model_folder
 from tests.http_helpers import ROOT, ServerThread, free_port, image_bytes, settings
 from tests.videos import make_video
 
@@ -39,7 +39,7 @@ PYTHON_VAR = "VITSERVE_SGLANG_PYTHON"
 HOW = "build SGLang's environment with tools/sglang_env.sh and set VITSERVE_SGLANG_PYTHON=.ci/sglang-env/bin/python"
 MAIN = "tiny-qwen3-vl"  # the scenarios run on it: DeepStack rows and Qwen3-VL's timestamps
 MODELS = [MAIN, "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-          "tiny-qwen3-omni-moe"]
+          "tiny-qwen3-omni-moe", "tiny-kimi-k2.5"]
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)  # 2 s: at the default 2 fps, 4 frames, 2 temporal steps
 BROKEN = b"GIF89a not really"
@@ -63,7 +63,12 @@ def data_url(kind: str, data: bytes) -> str:
 
 
 def prompt(name: str, kinds: list[str]) -> str:
-    """A chat turn with one placeholder per item, as the Qwen-VL templates write them."""
+    """A chat turn with one placeholder per item, as the Qwen-VL templates write them (Kimi's: an image's pad
+    inside its media markers, a video's placeholder alone)."""
+    if PRESETS[name].family == "kimi_k25":
+        k = SGLANG_KIMI_TOKENS
+        pads = "".join(f"{k['start']}{k['image']}{k['end']}" if kind == "image" else k["video"] for kind in kinds)
+        return f"<|im_start|>user\n{pads}Describe.<|im_end|>\n<|im_start|>assistant\n"
     start, end, image, video = VLLM_MEDIA_TOKENS.get(PRESETS[name].family, (
         "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
     pads = "".join(f"{start}{image if k == 'image' else video}{end}" for k in kinds)
@@ -78,9 +83,17 @@ def case(name: str, model: str, media: list[tuple[str, bytes]], **extra: Any) ->
 MEDIA = [("image", IMAGES[0]), ("image", IMAGES[1]), ("video", VIDEO)]
 
 
+def takes_video(name: str) -> bool:
+    return wire.MODEL_TYPES[PRESETS[name].family].takes_video
+
+
 def model_cases(name: str) -> list[dict[str, Any]]:
-    """Every family: two images and a video, over two encoder URLs (three parts). The main model also: two
-    ranks, the tokenizer backend, a broken image, a rank that registers late, ranks that never register."""
+    """Every family: two images and a video, over two encoder URLs (three parts); a family whose video SGLang
+    takes from no encoder: the two images (two parts), and the three, whose video part vitserve refuses. The
+    main model also: two ranks, the tokenizer backend, a broken image, a rank that registers late, ranks that
+    never register."""
+    if not takes_video(name):
+        return [case("parts", name, MEDIA[:2], parts=2), case("video", name, MEDIA, parts=2)]
     cases = [case("parts", name, MEDIA, parts=2)]
     if name == MAIN:
         cases += [
@@ -158,7 +171,8 @@ def run(tmp_path_factory) -> Run:
                                 env=env) for r in range(2)]
     # Each family's folder first: this imports transformers' config classes here, not in the threads below
     # (whose concurrent lazy imports of transformers race).
-    folders = {name: write_vllm_model_folder(name, work / name) for name in MODELS}
+    folders = {name: (write_sglang_kimi_folder if PRESETS[name].family == "kimi_k25" else write_vllm_model_folder)(
+        name, work / name) for name in MODELS}
     servers = {name: ServerThread(settings(model=name, cache_bytes=32 << 20, sglang_timeout_s=TIMEOUT_S,
                                            preprocess_workers=1)) for name in MODELS}
     try:
@@ -170,7 +184,9 @@ def run(tmp_path_factory) -> Run:
             folder = folders[name]
             with srv.client() as c:
                 reference[name] = reference_rows(c)
-            request["models"].append({"name": name, "dir": str(folder), "url": srv.url, "cases": model_cases(name)})
+            request["models"].append({"name": name, "dir": str(folder), "url": srv.url, "cases": model_cases(name),
+                                      # Kimi's released processor is remote code, as is this folder's
+                                      "trust_remote_code": PRESETS[name].family == "kimi_k25"})
         text = json.dumps(request)
         for d in drivers:
             d.stdin.write(text)  # type: ignore[union-attr]
@@ -213,6 +229,11 @@ def assert_rows(run: Run, model: str, key: str, items: tuple[int, ...] = (0, 1, 
 def test_each_family_reaches_sglangs_processor(run, model):
     report = run.case(model, "parts")
     assert report["ok"], report
+    if not takes_video(model):
+        assert_rows(run, model, "parts.0", items=(0, 1))
+        assert [i["modality"] for i in report["items"]] == ["image", "image"]
+        assert [i["rows"] for i in report["items"]] == [len(run.reference[model][i]) for i in (0, 1)]
+        return
     assert_rows(run, model, "parts.0")
     field = wire.MODEL_TYPES[PRESETS[model].family].video_field
     videos = [i for i in report["items"] if i["modality"] == "video"]
@@ -227,6 +248,16 @@ def test_each_family_reaches_sglangs_processor(run, model):
                 else config["vision_config"]["tokens_per_second"])
         steps = sorted({float(t) for t in report["t_positions"][-1]})  # the video's temporal positions
         assert len(steps) == 2 and steps[1] - steps[0] == pytest.approx(1.0 * rate), (steps, rate)
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if not takes_video(m)])
+def test_a_video_part_sglang_takes_from_no_encoder_fails_that_request(run, model):
+    """SGLang's processor of such a model places image rows only (a video's rows would fail its check): vitserve
+    refuses the video part with 501, and SGLang aborts the request with that message."""
+    report = run.case(model, "video")
+    assert report.get("aborted") and report["error_code"] == 501, report
+    family = PRESETS[model].family
+    assert report["error_msg"] == f"SGLang {wire.SGLANG_VERSION} takes no video of {family} from an encoder"
 
 
 def test_two_ranks_each_get_every_part(run):
