@@ -238,6 +238,7 @@ def write_omni_processor(preset, folder: Path) -> None:
     (folder / "video_preprocessor_config.json").write_text(json.dumps({**video, "processor_class": processor}))
 
 
+# ---- what SGLang's language side needs for MiniMax-M3 -----------------------------------------------
 # MiniMax-M3's media tokens, as its processors name them: the item markers (a prompt holds them bare), and the
 # brackets the processors write around each image and each frame of a video
 MINIMAX_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
@@ -332,4 +333,83 @@ def write_muse_model_folder(preset_name: str, folder: Path) -> Path:
              "processor_class": processor}
     (folder / "preprocessor_config.json").write_text(json.dumps(image))
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    return folder
+
+
+# ---- what SGLang's language side needs for Kimi-K2.5/K2.6 ---------------------------------------------
+# Kimi-K2.5/K2.6 as released: the architecture SGLang registers, the media placeholder the prompt and
+# SGLang's processor read (`media_placeholder_token_id`, `<|media_pad|>` inside
+# `<|media_begin|>image<|media_content|>...<|media_end|>`; a video is `<|kimi_k25_video_placeholder|>` alone, which
+# transformers' processor expands into its chunks), and a remote-code processor (`--trust-remote-code`)
+# whose `media_processor.media_proc_cfg` SGLang's Kimi processor reads when it is built.
+SGLANG_KIMI_TOKENS = {"start": "<|media_begin|>image<|media_content|>", "end": "<|media_end|>",
+                      "image": "<|media_pad|>", "video": "<|kimi_k25_video_placeholder|>"}
+SGLANG_KIMI_SPECIAL = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+                       "<|kimi_k25_video_placeholder|>"]
+# The released checkpoint's processor is Moonshot's code (not shipped here). This one is transformers' own
+# Kimi-K2.5 processor under the two names the released one adds and SGLang reads: `media_processor`, whose
+# `media_proc_cfg` holds the settings under the release's keys, and its `media_tokens_calculator`.
+SGLANG_KIMI_PROCESSOR = '''"""transformers' Kimi-K2.5 processor with the released one's `media_processor`."""
+
+from transformers.models.kimi_k25.image_processing_kimi_k25 import navit_resize
+from transformers.models.kimi_k25.processing_kimi_k25 import Kimi_K25Processor
+
+
+class KimiK25MediaProcessor:
+    """The image processor's settings as the release's `media_proc_cfg`, and its token count per image."""
+
+    def __init__(self, image_processor, video_processor):
+        self.image_processor = image_processor
+        self.media_proc_cfg = {
+            "patch_size": image_processor.patch_size, "merge_kernel_size": image_processor.merge_size,
+            "in_patch_limit": image_processor.max_patches, "patch_limit_on_one_side": image_processor.size.max_height,
+            "fixed_output_tokens": None, "in_patch_limit_each_frame": video_processor.max_patches,
+            "temporal_merge_kernel_size": video_processor.temporal_patch_size,
+            "sample_fps": float(video_processor.fps), "timestamp_mode": "hh:mm:ss.fff",
+            "image_mean": list(image_processor.image_mean), "image_std": list(image_processor.image_std),
+        }
+
+    def media_tokens_calculator(self, media):
+        if media["type"] != "image":
+            raise ValueError(f"unsupported media type {media['type']}")
+        cfg = self.media_proc_cfg
+        width, height = media["image"].size
+        _, (pad_h, pad_w) = navit_resize(height, width, cfg["patch_size"], cfg["merge_kernel_size"],
+                                         cfg["in_patch_limit"], cfg["patch_limit_on_one_side"])
+        unit = cfg["patch_size"] * cfg["merge_kernel_size"]
+        return (pad_h // unit) * (pad_w // unit)
+
+
+class KimiK25Processor(Kimi_K25Processor):
+    def __init__(self, image_processor=None, tokenizer=None, video_processor=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, video_processor, chat_template=chat_template, **kwargs)
+        self.media_processor = KimiK25MediaProcessor(image_processor, video_processor)
+'''
+
+
+def write_sglang_kimi_folder(preset_name: str, folder: Path) -> Path:
+    """vLLM's folder for a Kimi-K2.x preset, made what SGLang's Kimi-K2.5 language side loads: the released
+    architecture name and `media_placeholder_token_id` in config.json, the media tokens in the tokenizer (and
+    its chat template), and the remote-code processor above (SGLang needs `--trust-remote-code` for it)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    write_vllm_model_folder(preset_name, folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SGLANG_KIMI_SPECIAL])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SGLANG_KIMI_SPECIAL}
+    k = SGLANG_KIMI_TOKENS
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = (  # a video is its placeholder alone, which the processor expands
+        VLLM_CHAT_TEMPLATE.replace("<|vision_start|><|video_pad|><|vision_end|>", k["video"])
+        .replace("<|vision_start|>", k["start"]).replace("<|vision_end|>", k["end"])
+        .replace("<|image_pad|>", k["image"]))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["KimiK25ForConditionalGeneration"], media_placeholder_token_id=ids[k["image"]],
+                  image_token_id=ids[k["image"]], video_token_id=ids[k["video"]])
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "kimi_k25_processor.py").write_text(SGLANG_KIMI_PROCESSOR)
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "KimiK25Processor", "auto_map": {"AutoProcessor": "kimi_k25_processor.KimiK25Processor"}}))
     return folder

@@ -98,9 +98,10 @@ class Model:
         # No radix cache: on the CPU SGLang refuses Qwen3.5's (hybrid attention) cache snapshots, and the
         # receiving code never reads the cache.
         self.args = ServerArgs(model_path=spec["dir"], language_only=True, encoder_urls=[spec["url"]],
-                               encoder_transfer_backend="zmq_to_scheduler", device="cpu", disable_radix_cache=True)
+                               encoder_transfer_backend="zmq_to_scheduler", device="cpu", disable_radix_cache=True,
+                               trust_remote_code=spec.get("trust_remote_code", False))
         publish(self.args, role="scheduler")
-        self.hf_config = AutoConfig.from_pretrained(spec["dir"])
+        self.hf_config = AutoConfig.from_pretrained(spec["dir"], trust_remote_code=self.args.trust_remote_code)
         self.model_config = ModelConfig.from_server_args(self.args)
         self.schedulers: dict[int, Any] = {}
         self._tokenizer_side: Any = None

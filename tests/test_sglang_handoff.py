@@ -32,7 +32,14 @@ from tokenizers import Tokenizer
 
 from models.presets import PRESETS
 from service.handoff import sglang_wire as wire
-from tests.checkpoints import VLLM_MEDIA_TOKENS, write_minimax_folder, write_muse_model_folder, write_vllm_model_folder
+from tests.checkpoints import (
+    SGLANG_KIMI_TOKENS,
+    VLLM_MEDIA_TOKENS,
+    write_minimax_folder,
+    write_muse_model_folder,
+    write_sglang_kimi_folder,
+    write_vllm_model_folder,
+)
 from tests.http_helpers import ROOT, ServerThread, free_port, image_bytes, settings
 from tests.videos import make_video
 
@@ -41,9 +48,10 @@ HOW = "build SGLang's environment with tools/sglang_env.sh and set VITSERVE_SGLA
 MAIN = "tiny-qwen3-vl"  # the scenarios run on it: DeepStack rows and Qwen3-VL's timestamps
 MINIMAX = "tiny-minimax-m3"
 MODELS = [MAIN, "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-          "tiny-qwen3-omni-moe", MINIMAX, "tiny-muse-spark"]
+          "tiny-qwen3-omni-moe", MINIMAX, "tiny-muse-spark", "tiny-kimi-k2.5"]
 # The folder SGLang's language side loads for a family, where vLLM's (write_vllm_model_folder) is not it
-FOLDERS = {"minimax_m3_vl": write_minimax_folder, "muse_spark": write_muse_model_folder}
+FOLDERS = {"minimax_m3_vl": write_minimax_folder, "muse_spark": write_muse_model_folder,
+           "kimi_k25": write_sglang_kimi_folder}
 # A family's media placeholders in a prompt, where not the Qwen-VL ones: (start, end, image, video); MiniMax's
 # and Muse's are bare markers, which their processors expand
 PROMPT_TOKENS = {"minimax_m3_vl": ("", "", "]<]image[>[", "]<]video[>["),
@@ -76,8 +84,13 @@ def data_url(kind: str, data: bytes) -> str:
 
 
 def prompt(name: str, kinds: list[str]) -> str:
-    """A chat turn with one placeholder per item, as the Qwen-VL templates write them (Muse's: bare)."""
+    """A chat turn with one placeholder per item, as the Qwen-VL templates write them (MiniMax's and Muse's:
+    bare; Kimi's: an image's pad inside its media markers, a video's placeholder alone)."""
     family = PRESETS[name].family
+    if family == "kimi_k25":
+        k = SGLANG_KIMI_TOKENS
+        pads = "".join(f"{k['start']}{k['image']}{k['end']}" if kind == "image" else k["video"] for kind in kinds)
+        return f"<|im_start|>user\n{pads}Describe.<|im_end|>\n<|im_start|>assistant\n"
     start, end, image, video = PROMPT_TOKENS.get(family) or VLLM_MEDIA_TOKENS.get(family, (
         "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
     pads = "".join(f"{start}{image if k == 'image' else video}{end}" for k in kinds)
@@ -92,9 +105,17 @@ def case(name: str, model: str, media: list[tuple[str, bytes]], **extra: Any) ->
 MEDIA = [("image", IMAGES[0]), ("image", IMAGES[1]), ("video", VIDEO)]
 
 
+def takes_video(name: str) -> bool:
+    return wire.MODEL_TYPES[PRESETS[name].family].takes_video
+
+
 def model_cases(name: str) -> list[dict[str, Any]]:
-    """Every family: two images and a video, over two encoder URLs (three parts). The main model also: two
-    ranks, the tokenizer backend, a broken image, a rank that registers late, ranks that never register."""
+    """Every family: two images and a video, over two encoder URLs (three parts); a family whose video SGLang
+    takes from no encoder: the two images (two parts), and the three, whose video part vitserve refuses. The
+    main model also: two ranks, the tokenizer backend, a broken image, a rank that registers late, ranks that
+    never register."""
+    if not takes_video(name):
+        return [case("parts", name, MEDIA[:2], parts=2), case("video", name, MEDIA, parts=2)]
     cases = [case("parts", name, MEDIA, parts=2)]
     if name == MAIN:
         cases += [
@@ -188,7 +209,9 @@ def run(tmp_path_factory) -> Run:
                 reference[name] = reference_rows(c)
                 if name == MINIMAX:
                     reference[f"{name}/steps"] = reference_rows(c, [("video", STEPS_VIDEO)])
-            request["models"].append({"name": name, "dir": str(folder), "url": srv.url, "cases": model_cases(name)})
+            request["models"].append({"name": name, "dir": str(folder), "url": srv.url, "cases": model_cases(name),
+                                      # Kimi's released processor is remote code, as is this folder's
+                                      "trust_remote_code": PRESETS[name].family == "kimi_k25"})
         text = json.dumps(request)
         for d in drivers:
             d.stdin.write(text)  # type: ignore[union-attr]
@@ -241,6 +264,11 @@ def muse_prompt(run: Run, model: str) -> str:
 def test_each_family_reaches_sglangs_processor(run, model):
     report = run.case(model, "parts")
     assert report["ok"], report
+    if not takes_video(model):
+        assert_rows(run, model, "parts.0", items=(0, 1))
+        assert [i["modality"] for i in report["items"]] == ["image", "image"]
+        assert [i["rows"] for i in report["items"]] == [len(run.reference[model][i]) for i in (0, 1)]
+        return
     assert_rows(run, model, "parts.0")
     family = PRESETS[model].family
     field = wire.MODEL_TYPES[family].video_field
@@ -261,6 +289,16 @@ def test_each_family_reaches_sglangs_processor(run, model):
                 else config["vision_config"]["tokens_per_second"])
         steps = sorted({float(t) for t in report["t_positions"][-1]})  # the video's temporal positions
         assert len(steps) == 2 and steps[1] - steps[0] == pytest.approx(1.0 * rate), (steps, rate)
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if not takes_video(m)])
+def test_a_video_part_sglang_takes_from_no_encoder_fails_that_request(run, model):
+    """SGLang's processor of such a model places image rows only (a video's rows would fail its check): vitserve
+    refuses the video part with 501, and SGLang aborts the request with that message."""
+    report = run.case(model, "video")
+    assert report.get("aborted") and report["error_code"] == 501, report
+    family = PRESETS[model].family
+    assert report["error_msg"] == f"SGLang {wire.SGLANG_VERSION} takes no video of {family} from an encoder"
 
 
 def test_minimax_times_each_temporal_step(run):

@@ -83,7 +83,9 @@ class ModelType:
 # models spaces the steps by seconds per step; Qwen2-VL reads neither. Qwen3.8 (qwen4_exp) and Cosmos3-Nano
 # are not on SGLang's list, whose language-only server refuses them. MiniMax-M3's prompt holds each temporal
 # step's time too (its first frame's); its grid row is the whole video's (t, h, w), which its tower cuts into
-# clips of four steps itself.
+# clips of four steps itself. Kimi-K2.5/K2.6: an image's row is its patch grid (1, h, w), h*w/4 tokens, as
+# Moonshot's processor writes `grid_thws`; SGLang's Kimi processor places image rows alone (its model has no
+# video path), so a video part is refused.
 MODEL_TYPES: dict[str, ModelType] = {
     "qwen2_vl": ModelType(),
     "qwen2_5_vl": ModelType("second_per_grid_ts"),
@@ -95,6 +97,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     # SGLang's Muse processor (muse_spark_omni) reads merged grids: an image's t*h*w tokens, a video's t clips
     # of h*w tokens, each after its first frame's time, as transformers' MuseSparkProcessor prints them.
     "muse_spark": ModelType("video_timestamps", grid_row=merged_grid, step_times=first_frame_times),
+    "kimi_k25": ModelType(takes_video=False),
 }
 
 
