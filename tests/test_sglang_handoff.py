@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from models.presets import PRESETS
 from service.handoff import sglang_wire as wire
-from tests.checkpoints import VLLM_MEDIA_TOKENS, write_vllm_model_folder
+from tests.checkpoints import VLLM_MEDIA_TOKENS, write_glm5_next_folder, write_vllm_model_folder
 from tests.http_helpers import ROOT, ServerThread, free_port, image_bytes, settings
 from tests.videos import make_video
 
@@ -39,7 +39,9 @@ PYTHON_VAR = "VITSERVE_SGLANG_PYTHON"
 HOW = "build SGLang's environment with tools/sglang_env.sh and set VITSERVE_SGLANG_PYTHON=.ci/sglang-env/bin/python"
 MAIN = "tiny-qwen3-vl"  # the scenarios run on it: DeepStack rows and Qwen3-VL's timestamps
 MODELS = [MAIN, "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-          "tiny-qwen3-omni-moe"]
+          "tiny-qwen3-omni-moe", "tiny-glm5-next"]
+# The folder SGLang's language side loads, where vLLM's (write_vllm_model_folder) does not fit the model type
+FOLDERS = {"glm5_next": write_glm5_next_folder}
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)  # 2 s: at the default 2 fps, 4 frames, 2 temporal steps
 BROKEN = b"GIF89a not really"
@@ -63,7 +65,12 @@ def data_url(kind: str, data: bytes) -> str:
 
 
 def prompt(name: str, kinds: list[str]) -> str:
-    """A chat turn with one placeholder per item, as the Qwen-VL templates write them."""
+    """A chat turn with one placeholder per item, as the model's template writes them (the Qwen-VL layout
+    unless the model's own is below)."""
+    if PRESETS[name].family == "glm5_next":  # GLM's turn; an image and a video have their own brackets
+        pads = "".join({"image": "<|begin_of_image|><|image|><|end_of_image|>",
+                        "video": "<|begin_of_video|><|video|><|end_of_video|>"}[k] for k in kinds)
+        return f"[gMASK]<sop><|user|>\n{pads}Describe.<|assistant|>\n"
     start, end, image, video = VLLM_MEDIA_TOKENS.get(PRESETS[name].family, (
         "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
     pads = "".join(f"{start}{image if k == 'image' else video}{end}" for k in kinds)
@@ -158,7 +165,7 @@ def run(tmp_path_factory) -> Run:
                                 env=env) for r in range(2)]
     # Each family's folder first: this imports transformers' config classes here, not in the threads below
     # (whose concurrent lazy imports of transformers race).
-    folders = {name: write_vllm_model_folder(name, work / name) for name in MODELS}
+    folders = {name: FOLDERS.get(PRESETS[name].family, write_vllm_model_folder)(name, work / name) for name in MODELS}
     servers = {name: ServerThread(settings(model=name, cache_bytes=32 << 20, sglang_timeout_s=TIMEOUT_S,
                                            preprocess_workers=1)) for name in MODELS}
     try:

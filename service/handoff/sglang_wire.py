@@ -64,6 +64,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     "qwen3_5": ModelType("video_timestamps"), "qwen3_5_moe": ModelType("video_timestamps"),
     "qwen2_5_omni": ModelType("second_per_grid_ts"), "qwen2_5_omni_thinker": ModelType("second_per_grid_ts"),
     "qwen3_omni_moe": ModelType("second_per_grid_ts"), "qwen3_omni_moe_thinker": ModelType("second_per_grid_ts"),
+    "glm5_next": ModelType(),
 }
 
 
