@@ -57,7 +57,8 @@ class ModelType:
 # Qwen3-VL's and Qwen3.5's prompts hold each temporal step's time; the M-RoPE of Qwen2.5-VL and the Omni
 # models spaces the steps by seconds per step; Qwen2-VL reads neither, nor does GLM-5-Next (SGLang's GLM
 # processor expands a video's one placeholder to all its rows). Qwen3.8 (qwen4_exp) and Cosmos3-Nano are not on
-# SGLang's list, whose language-only server refuses them.
+# SGLang's list, whose language-only server refuses them. dots3-note is on it, but SGLang 0.5.23's language
+# side cannot assemble its parts (docs/sglang.md).
 MODEL_TYPES: dict[str, ModelType] = {
     "qwen2_vl": ModelType(),
     "qwen2_5_vl": ModelType("second_per_grid_ts"),
