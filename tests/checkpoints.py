@@ -238,6 +238,69 @@ def write_omni_processor(preset, folder: Path) -> None:
     (folder / "video_preprocessor_config.json").write_text(json.dumps({**video, "processor_class": processor}))
 
 
+# ---- the folders SGLang's language side loads, where vLLM's above does not fit the model -------------
+def byte_tokenizer(folder: Path, special: list[str], config: dict) -> dict[str, int]:
+    """A byte-level tokenizer (256 byte tokens, then `special`) and its config; the special tokens' ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192, **config}))
+    return {t: tok.token_to_id(t) for t in special}
+
+
+
+# ---- what SGLang's language side needs for GLM-5-Next -----------------------------------------------
+# GLM's special tokens (the placeholders its processors look for) and a chat layout reduced to them.
+GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|image|>",
+              "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>{% endif %}{% endfor %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_glm5_next_folder(preset_name: str, folder: Path) -> Path:
+    """GLM-5-Next's folder for SGLang's language side: the whole model's config (its tiny text model as wide as
+    the tower's output, GLM's media token ids), a byte-level tokenizer with GLM's special tokens, and the
+    Glm5Next image and video processors' configs that `Glm5NextProcessor` loads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[preset_name]
+    ids = byte_tokenizer(folder, GLM_TOKENS, {"tokenizer_class": "PreTrainedTokenizerFast",
+                                              "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                                              "chat_template": GLM_CHAT_TEMPLATE})
+    cfg = full_config(preset)
+    cfg.text_config.hidden_size = preset.vision["out_hidden_size"]
+    cfg.text_config.vocab_size = 512
+    cfg.text_config.eos_token_id = cfg.eos_token_id = ids["<|endoftext|>"]
+    cfg.image_token_id, cfg.video_token_id = ids["<|image|>"], ids["<|video|>"]
+    cfg.image_start_token_id, cfg.image_end_token_id = ids["<|begin_of_image|>"], ids["<|end_of_image|>"]
+    cfg.video_start_token_id, cfg.video_end_token_id = ids["<|begin_of_video|>"], ids["<|end_of_video|>"]
+    cfg.architectures = [CLASSES[preset.family]]
+    cfg.save_pretrained(folder)
+    # Without the sparse indexer's top-k, which transformers' config always writes: SGLang's argument resolution
+    # for a model with one (DSA) reads the CUDA device's capability, which fails on the CPU. Its receiving code
+    # and GLM's processor never read the text model's attention.
+    written = json.loads((folder / "config.json").read_text())
+    del written["text_config"]["index_topk"]
+    (folder / "config.json").write_text(json.dumps(written, indent=2))
+    image = {**preset.preprocessor, "image_processor_type": "Glm5NextImageProcessor",
+             "processor_class": "Glm5NextProcessor"}
+    video = {**preset.video_preprocessor, "video_processor_type": "Glm5NextVideoProcessor",
+             "processor_class": "Glm5NextProcessor"}
+    (folder / "preprocessor_config.json").write_text(json.dumps(image))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    return folder
+
+
 # ---- what SGLang's language side needs for MiniMax-M3 -----------------------------------------------
 # MiniMax-M3's media tokens, as its processors name them: the item markers (a prompt holds them bare), and the
 # brackets the processors write around each image and each frame of a video
@@ -251,24 +314,13 @@ def write_minimax_folder(preset_name: str, folder: Path) -> Path:
     (`_get_minimax_m31_processor`) reads: its patch and merge sizes under `img_token_compression_config` and a
     `size` of [height, width] (the released [672, 672]; SGLang's own resizing reads it, the placeholders of
     an encoder's rows do not)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[preset_name]
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *MINIMAX_TOKENS]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in specials}
     image, video = MINIMAX_TOKENS[:2]
     template = (VLLM_CHAT_TEMPLATE.replace("<|vision_start|>", "").replace("<|vision_end|>", "")
                 .replace("<|image_pad|>", image).replace("<|video_pad|>", video))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "model_max_length": 8192,
-        "chat_template": template}))
+    ids = byte_tokenizer(folder, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *MINIMAX_TOKENS], {
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "chat_template": template})
     cfg = full_config(preset)
     cfg.image_token_index, cfg.video_token_index = ids[image], ids[video]
     cfg.text_config.vocab_size = 512
@@ -306,20 +358,11 @@ def write_muse_model_folder(preset_name: str, folder: Path) -> Path:
     the tower's output and a tiny audio encoder) with the media token ids of a byte-level tokenizer (256 byte
     tokens plus `MUSE_TOKENS`), and transformers' MuseSparkProcessor's files: the image and video processors'
     settings (the preset's) and the audio feature extractor's."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[preset_name]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in MUSE_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in MUSE_TOKENS}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    ids = byte_tokenizer(folder, MUSE_TOKENS, {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-        "model_max_length": 8192, "chat_template": MUSE_CHAT_TEMPLATE}))
+        "chat_template": MUSE_CHAT_TEMPLATE})
     cfg = full_config(preset)
     cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id = ids["<|patch|>"], ids["<|video|>"], ids["<|audio|>"]
     cfg.text_config.vocab_size = 512

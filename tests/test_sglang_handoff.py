@@ -35,6 +35,7 @@ from service.handoff import sglang_wire as wire
 from tests.checkpoints import (
     SGLANG_KIMI_TOKENS,
     VLLM_MEDIA_TOKENS,
+    write_glm5_next_folder,
     write_minimax_folder,
     write_muse_model_folder,
     write_sglang_kimi_folder,
@@ -48,14 +49,22 @@ HOW = "build SGLang's environment with tools/sglang_env.sh and set VITSERVE_SGLA
 MAIN = "tiny-qwen3-vl"  # the scenarios run on it: DeepStack rows and Qwen3-VL's timestamps
 MINIMAX = "tiny-minimax-m3"
 MODELS = [MAIN, "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe",
-          "tiny-qwen3-omni-moe", MINIMAX, "tiny-muse-spark", "tiny-kimi-k2.5"]
+          "tiny-qwen3-omni-moe", MINIMAX, "tiny-muse-spark", "tiny-kimi-k2.5", "tiny-glm5-next"]
 # The folder SGLang's language side loads for a family, where vLLM's (write_vllm_model_folder) is not it
 FOLDERS = {"minimax_m3_vl": write_minimax_folder, "muse_spark": write_muse_model_folder,
-           "kimi_k25": write_sglang_kimi_folder}
-# A family's media placeholders in a prompt, where not the Qwen-VL ones: (start, end, image, video); MiniMax's
-# and Muse's are bare markers, which their processors expand
-PROMPT_TOKENS = {"minimax_m3_vl": ("", "", "]<]image[>[", "]<]video[>["),
-                 "muse_spark": ("", "", "<|patch|>", "<|video|>")}
+           "kimi_k25": write_sglang_kimi_folder, "glm5_next": write_glm5_next_folder}
+QWEN_TURN = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+# A family's chat turn and placeholder per item, where not the Qwen-VL ones: (turn start, turn end, image,
+# video). MiniMax's and Muse's are bare markers, which their processors expand; Kimi's video is its placeholder
+# alone.
+PROMPTS = {
+    "minimax_m3_vl": (*QWEN_TURN, "]<]image[>[", "]<]video[>["),
+    "muse_spark": (*QWEN_TURN, "<|patch|>", "<|video|>"),
+    "kimi_k25": (*QWEN_TURN, SGLANG_KIMI_TOKENS["start"] + SGLANG_KIMI_TOKENS["image"] + SGLANG_KIMI_TOKENS["end"],
+                 SGLANG_KIMI_TOKENS["video"]),
+    "glm5_next": ("[gMASK]<sop><|user|>\n", "<|assistant|>\n", "<|begin_of_image|><|image|><|end_of_image|>",
+                  "<|begin_of_video|><|video|><|end_of_video|>"),
+}
 IMAGES = [image_bytes(160, 120, seed=21, fmt="JPEG"), image_bytes(96, 96, seed=22, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)  # 2 s: at the default 2 fps, 4 frames, 2 temporal steps
 BROKEN = b"GIF89a not really"
@@ -84,17 +93,15 @@ def data_url(kind: str, data: bytes) -> str:
 
 
 def prompt(name: str, kinds: list[str]) -> str:
-    """A chat turn with one placeholder per item, as the Qwen-VL templates write them (MiniMax's and Muse's:
-    bare; Kimi's: an image's pad inside its media markers, a video's placeholder alone)."""
+    """A chat turn with one placeholder per item, as the family's template writes them."""
     family = PRESETS[name].family
-    if family == "kimi_k25":
-        k = SGLANG_KIMI_TOKENS
-        pads = "".join(f"{k['start']}{k['image']}{k['end']}" if kind == "image" else k["video"] for kind in kinds)
-        return f"<|im_start|>user\n{pads}Describe.<|im_end|>\n<|im_start|>assistant\n"
-    start, end, image, video = PROMPT_TOKENS.get(family) or VLLM_MEDIA_TOKENS.get(family, (
-        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
-    pads = "".join(f"{start}{image if k == 'image' else video}{end}" for k in kinds)
-    return f"<|im_start|>user\n{pads}Describe.<|im_end|>\n<|im_start|>assistant\n"
+    if family in PROMPTS:
+        turn_start, turn_end, image, video = PROMPTS[family]
+    else:
+        start, end, image_pad, video_pad = VLLM_MEDIA_TOKENS.get(family, (
+            "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
+        (turn_start, turn_end), image, video = QWEN_TURN, start + image_pad + end, start + video_pad + end
+    return turn_start + "".join(image if k == "image" else video for k in kinds) + "Describe." + turn_end
 
 
 def case(name: str, model: str, media: list[tuple[str, bytes]], **extra: Any) -> dict[str, Any]:

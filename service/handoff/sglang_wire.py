@@ -80,12 +80,14 @@ class ModelType:
 
 # The model types SGLang's encoder disaggregation accepts (its server-argument check) that vitserve serves.
 # Qwen3-VL's and Qwen3.5's prompts hold each temporal step's time; the M-RoPE of Qwen2.5-VL and the Omni
-# models spaces the steps by seconds per step; Qwen2-VL reads neither. Qwen3.8 (qwen4_exp) and Cosmos3-Nano
-# are not on SGLang's list, whose language-only server refuses them. MiniMax-M3's prompt holds each temporal
-# step's time too (its first frame's); its grid row is the whole video's (t, h, w), which its tower cuts into
-# clips of four steps itself. Kimi-K2.5/K2.6: an image's row is its patch grid (1, h, w), h*w/4 tokens, as
-# Moonshot's processor writes `grid_thws`; SGLang's Kimi processor places image rows alone (its model has no
-# video path), so a video part is refused.
+# models spaces the steps by seconds per step; Qwen2-VL reads neither, nor does GLM-5-Next (SGLang's GLM
+# processor expands a video's one placeholder to all its rows). Qwen3.8 (qwen4_exp) and Cosmos3-Nano are not on
+# SGLang's list, whose language-only server refuses them; dots3-note is on it, but SGLang 0.5.23's language
+# side cannot assemble its parts (docs/sglang.md). MiniMax-M3's prompt holds each temporal step's time too (its
+# first frame's); its grid row is the whole video's (t, h, w), which its tower cuts into clips of four steps
+# itself. Kimi-K2.5/K2.6: an image's row is its patch grid (1, h, w), h*w/4 tokens, as Moonshot's processor
+# writes `grid_thws`; SGLang's Kimi processor places image rows alone (its model has no video path), so a video
+# part is refused.
 MODEL_TYPES: dict[str, ModelType] = {
     "qwen2_vl": ModelType(),
     "qwen2_5_vl": ModelType("second_per_grid_ts"),
@@ -98,6 +100,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     # of h*w tokens, each after its first frame's time, as transformers' MuseSparkProcessor prints them.
     "muse_spark": ModelType("video_timestamps", grid_row=merged_grid, step_times=first_frame_times),
     "kimi_k25": ModelType(takes_video=False),
+    "glm5_next": ModelType(),
 }
 
 
