@@ -8,6 +8,7 @@ take raster-order rows, Muse's with columns (temporal, channel, pixels): `refere
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def kimi_chunks(grids, chunk: int = 4):
 
 
 def reference_features(model, tower, pixels, grids, video: bool) -> torch.Tensor:
-    x = reference_rows(tower, pixels, grids).to(model.device)
+    x = reference_rows(tower, pixels, grids).to(model.device, model.dtype)  # the model's own dtype
     ref_grids = torch.tensor(kimi_chunks(grids) if tower.family == "kimi_k25" else grids, device=model.device)
     with torch.no_grad():
         if video:
@@ -160,7 +161,13 @@ FULL = ["random:kimi-k2.6", "random:muse-glimmer-30b", "random:muse-spark-open"]
 def test_full_size_bf16_graphs_against_transformers(name, tmp_path):
     """Released sizes on the GPU: a checkpoint save_pretrained writes from transformers' model, served in
     bf16 through CUDA graphs, against that model in float32 on the same weights (bound: 1e-2 or 1.1 x
-    transformers' own bf16 error), and each replay against the eager forward of the item alone."""
+    transformers' own bf16 error, the larger of the model cast to bf16 and the model under bf16 autocast),
+    and each replay against the eager forward of the item alone.
+
+    Why both: autocast keeps the residual stream and norms in float32, the cast model (what a bf16 deployment
+    runs, and what tests/test_cuda_graphs.py measures for every other family) does not. Muse-Glimmer's 50
+    blocks show the difference: on the CPU (tree at 136dca9, its image grids) ours is 1.99e-2 from float32 and
+    transformers cast to bf16 1.99e-2 too, while autocast on the H200 gave 0.97e-2."""
     from graphs.runner import GraphRunner, plan_for
     from models import VisualInput
 
@@ -173,6 +180,7 @@ def test_full_size_bf16_graphs_against_transformers(name, tmp_path):
     runner = GraphRunner(tower, torch.device("cuda"), plan_for(tower, max_batch_tokens=2048))
     runner.capture()
     model = model.to("cuda")
+    model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
     videos = [(6, 16, 16)] if name == "random:kimi-k2.6" else [(3, 16, 16)]
     for modality, grids in (("image", [(1, 32, 32), (1, 16, 24), (1, 4, 6)]), ("video", videos)):
         rng = np.random.default_rng(0)
@@ -182,8 +190,9 @@ def test_full_size_bf16_graphs_against_transformers(name, tmp_path):
         pixels = torch.from_numpy(np.concatenate([it.pixels for it in items]))
         ref = reference_features(model, tower, pixels, grids, modality == "video").float().cpu()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            hf = reference_features(model, tower, pixels, grids, modality == "video").float().cpu()
-        bound = max(1e-2, 1.1 * rel_err(hf, ref))
+            autocast = reference_features(model, tower, pixels, grids, modality == "video").float().cpu()
+        cast = reference_features(model_bf16, tower, pixels, grids, modality == "video").float().cpu()
+        bound = max(1e-2, 1.1 * max(rel_err(autocast, ref), rel_err(cast, ref)))
         assert rel_err(got, ref) <= bound, (name, modality, rel_err(got, ref), bound)
         for it, out in zip(items, runner.encode(items)):
             eager = runner.eager(it.pixels, [it.grid_thw], modality).embeds
