@@ -117,6 +117,36 @@ VLLM_CHAT_TEMPLATE = (
 )
 
 
+def byte_tokenizer(folder: Path, special: list[str], config: dict) -> dict[str, int]:
+    """A byte-level tokenizer (256 byte tokens, then `special`) and its config; the special tokens' ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192, **config}))
+    return {t: tok.token_to_id(t) for t in special}
+
+
+# GLM's special tokens (the placeholders its processors, vLLM's and SGLang's look for), a chat layout reduced to
+# them, and its tokenizer's settings.
+GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|image|>",
+              "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>{% endif %}{% endfor %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+GLM_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                        "pad_token": "<|endoftext|>", "chat_template": GLM_CHAT_TEMPLATE}
+
+
 def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
     """A checkpoint folder vLLM's config, tokenizer and multimodal processor load without a hub: the full
     model's config (text hidden size = the tower's output size, as in the released models, so vLLM's
@@ -128,28 +158,20 @@ def write_vllm_model_folder(preset_name: str, folder: Path) -> Path:
     extractor's sampling rate) and takes its media tokens from the tokenizer's named special tokens: their
     folder adds those (`write_omni_processor`, `VLLM_OMNI_TOKENS`), and their config is the whole model's
     whose thinker holds the tower, the tiny text model and a tiny audio encoder."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[preset_name]
     omni = VLLM_OMNI_TOKENS.get(preset.family)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VLLM_SPECIAL_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in VLLM_SPECIAL_TOKENS}
     start, end, image_pad, video_pad = VLLM_MEDIA_TOKENS.get(
         preset.family, ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
     template = (VLLM_CHAT_TEMPLATE.replace("<|vision_start|>", start).replace("<|vision_end|>", end)
                 .replace("<|image_pad|>", image_pad).replace("<|video_pad|>", video_pad))
     tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                        "model_max_length": 8192, "chat_template": template}
+                        "chat_template": template}
     if omni:
         tokenizer_config["extra_special_tokens"] = omni
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    ids = byte_tokenizer(folder, VLLM_SPECIAL_TOKENS, tokenizer_config)
 
     out_hidden = preset.vision.get("out_hidden_size", preset.vision.get("hidden_size"))
     text: dict = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -239,44 +261,13 @@ def write_omni_processor(preset, folder: Path) -> None:
 
 
 # ---- the folders SGLang's language side loads, where vLLM's above does not fit the model -------------
-def byte_tokenizer(folder: Path, special: list[str], config: dict) -> dict[str, int]:
-    """A byte-level tokenizer (256 byte tokens, then `special`) and its config; the special tokens' ids."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192, **config}))
-    return {t: tok.token_to_id(t) for t in special}
-
-
-
-# ---- what SGLang's language side needs for GLM-5-Next -----------------------------------------------
-# GLM's special tokens (the placeholders its processors look for) and a chat layout reduced to them.
-GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|image|>",
-              "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
-GLM_CHAT_TEMPLATE = (
-    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
-    "{% elif part['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>{% endif %}{% endfor %}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
 def write_glm5_next_folder(preset_name: str, folder: Path) -> Path:
     """GLM-5-Next's folder for SGLang's language side: the whole model's config (its tiny text model as wide as
     the tower's output, GLM's media token ids), a byte-level tokenizer with GLM's special tokens, and the
     Glm5Next image and video processors' configs that `Glm5NextProcessor` loads."""
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[preset_name]
-    ids = byte_tokenizer(folder, GLM_TOKENS, {"tokenizer_class": "PreTrainedTokenizerFast",
-                                              "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-                                              "chat_template": GLM_CHAT_TEMPLATE})
+    ids = byte_tokenizer(folder, GLM_TOKENS, GLM_TOKENIZER_CONFIG)
     cfg = full_config(preset)
     cfg.text_config.hidden_size = preset.vision["out_hidden_size"]
     cfg.text_config.vocab_size = 512

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from models.families import FAMILIES
 from models.presets import PRESETS
 from service.handoff import sidecar
+from tests.checkpoints import GLM_TOKENIZER_CONFIG, GLM_TOKENS, byte_tokenizer
 from tests.http_helpers import ServerThread, image_bytes, settings
 from tests.test_vllm_handoff import VLLM_DTYPE, reference, run_driver, vllm_python
 from tests.videos import make_video
@@ -27,38 +28,16 @@ MODELS = ["tiny-glm4v", "tiny-glm-ocr"]
 IMAGES = [image_bytes(160, 120, seed=31, fmt="JPEG"), image_bytes(96, 96, seed=32, fmt="PNG")]
 VIDEO = make_video(8, fps=4, width=64, height=48)
 MEDIA = [("image", IMAGES[0]), ("image", IMAGES[1]), ("video", VIDEO)]
-# GLM's special tokens (the placeholders its processor and vLLM's look for) and a chat layout reduced to them.
-GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|image|>",
-              "<|end_of_image|>", "<|begin_of_video|>", "<|video|>", "<|end_of_video|>"]
-GLM_CHAT_TEMPLATE = (
-    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
-    "{% elif part['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>{% endif %}{% endfor %}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
 
 def write_vllm_glm_folder(folder: Path, name: str) -> Path:
     """A folder for the GLM preset `name` that vLLM's config, tokenizer and GLM processor load without a hub:
     the whole model's config (text width = the tower's output width), GLM's processor configs and a
     byte-level tokenizer holding GLM's special tokens. No weights: vLLM builds its model with dummy ones."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[name]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GLM_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in GLM_TOKENS}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-        "model_max_length": 8192, "chat_template": GLM_CHAT_TEMPLATE}))
+    ids = byte_tokenizer(folder, GLM_TOKENS, GLM_TOKENIZER_CONFIG)
     out_hidden = preset.vision["out_hidden_size"]
     half = out_hidden // 4 // 4  # M-RoPE sections cover half of the rotated half of a head
     text = dict(hidden_size=out_hidden, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
