@@ -247,6 +247,14 @@ def qwen3_max_pixels(
 GLM_MAX_DURATION = 300.0  # Glm4vVideoProcessor.max_duration, seconds
 
 
+def even_unique(picked: list[int]) -> np.ndarray:
+    """The GLM samplers' last step: int64 indices with repeats dropped and an odd count padded with the last."""
+    unique = list(dict.fromkeys(picked))
+    if len(unique) % 2:
+        unique.append(unique[-1])
+    return np.asarray(unique, dtype=np.int64)
+
+
 def glm_frame_indices(
     total_frames: int,
     video_fps: float,
@@ -275,10 +283,7 @@ def glm_frame_indices(
     else:
         samples = int(max_duration * fps)
         picked = [min(last, math.ceil(t * video_fps)) for t in np.linspace(0, duration, samples)]
-    unique = list(dict.fromkeys(picked))
-    if len(unique) % 2:
-        unique.append(unique[-1])
-    return np.asarray(unique, dtype=np.int64)
+    return even_unique(picked)
 
 
 # GLM-4.6V: Glm46VVideoProcessor.sample_frames' constants
@@ -303,23 +308,9 @@ def glm46v_frame_indices(total_frames: int, video_fps: float, temporal_patch_siz
     if total_frames < extract:
         picked = np.linspace(0, last, extract, dtype=int).tolist()
     else:
-        picked, current, step, max_second = [], 0.0, 1 / (temporal_patch_size * rate), int(duration)
-        per_frame = 1 / video_fps
-        for index in range(total_frames):
-            if index * per_frame >= current:
-                current += step
-                picked.append(index)
-                if current >= max_second:
-                    break
-    if len(picked) < extract:
-        start, end = (picked[0], picked[-1]) if picked else (0, max(last, 0))
-        picked = np.linspace(start, end, extract, dtype=int).tolist()
-    elif len(picked) > extract:
-        picked = np.linspace(0, last, extract, dtype=int).tolist()
-    unique = list(dict.fromkeys(picked))
-    if len(unique) % 2:
-        unique.append(unique[-1])
-    return np.asarray(unique, dtype=np.int64)
+        max_second = int(duration)
+        picked = _glm_clock(total_frames, video_fps, temporal_patch_size * rate, lambda clock: clock >= max_second)
+    return _glm_fixed_count(picked, extract, last)
 
 
 # GLMGA and GLM-5.x: GlmgaVideoProcessor.sample_frames and Glm5NextVideoProcessor's variant of it
@@ -334,10 +325,7 @@ def _glm_fixed_count(picked: list[int], extract: int, last: int) -> np.ndarray:
         picked = np.linspace(start, end, extract, dtype=int).tolist()
     elif len(picked) > extract:
         picked = np.linspace(0, last, extract, dtype=int).tolist()
-    unique = list(dict.fromkeys(picked))
-    if len(unique) % 2:
-        unique.append(unique[-1])
-    return np.asarray(unique, dtype=np.int64)
+    return even_unique(picked)
 
 
 def _glm_clock(total_frames: int, video_fps: float, fps: float, stop: Callable[[float], bool]) -> list[int]:
