@@ -13,14 +13,13 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models import load_tower
 from models.loader import build_tower, check_model, family_of, family_processor_config
 from models.presets import PRESETS, full_config
 from tests.checkpoints import CLASSES, reference_model
-from tests.test_towers import random_pixels, rel_err, run_ours
+from tests.test_towers import assert_cli_encode_equals_reference, normalized, random_pixels, rel_err, run_ours
 
 NAMES = ["tiny-qwen4-exp", "tiny-cosmos3-omni", "tiny-glmga", "tiny-hyperclovax-vision-v2", "tiny-glm5-next"]
 # Larger and smaller than the tiny position tables (8x8 patches), square and not, odd window tilings.
@@ -49,10 +48,6 @@ def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param.replace(".", "_"))
     reference = write_family_checkpoint(request.param, folder)
     return request.param, folder, reference
-
-
-def normalized(tower, pixels: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(tower.processor.normalize(pixels.numpy()))
 
 
 def features(out) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
@@ -188,26 +183,5 @@ def test_full_size_parameters_match_transformers(preset):
 def test_vitserve_encode_serves_a_glm5_checkpoint(checkpoint, tmp_path):
     """`vitserve encode --model <folder>` on a GLM-5-Next checkpoint: an image and a video, sized and padded by
     its own rules, encoded equal to transformers' model on those pixels."""
-    from service.media.image_preprocess import preprocess_image_bytes
-    from service.media.video_preprocess import preprocess_video_bytes
-    from tests.test_cli import SAMPLE, VIDEO, vitserve
-
     _, folder, reference = checkpoint
-    out = tmp_path / "out.safetensors"
-    done = vitserve("encode", "--model", str(folder), "-o", str(out), str(SAMPLE), str(VIDEO))
-    assert done.returncode == 0, done.stderr
-    tower = load_tower(str(folder), device="cpu", dtype="float32")
-    image = preprocess_image_bytes(SAMPLE.read_bytes(), tower.processor)
-    video = preprocess_video_bytes(VIDEO.read_bytes(), tower.processor)
-    with torch.no_grad():
-        ref_image = reference.model.get_image_features(
-            pixel_values=normalized(tower, torch.from_numpy(image.pixels)),
-            image_grid_thw=torch.tensor([image.grid_thw]))
-        ref_video = reference.model.get_video_features(
-            pixel_values_videos=normalized(tower, torch.from_numpy(video.pixels)),
-            video_grid_thw=torch.tensor([video.grid_thw]))
-    with safe_open(str(out), "pt") as f:
-        assert f.get_tensor("grid_thw.0").tolist() == [list(image.grid_thw)]
-        assert f.get_tensor("grid_thw.1").tolist() == [list(video.grid_thw)]
-        assert rel_err(f.get_tensor("embeds.0"), torch.cat(ref_image.pooler_output)) <= TOL
-        assert rel_err(f.get_tensor("embeds.1"), torch.cat(ref_video.pooler_output)) <= TOL
+    assert_cli_encode_equals_reference(folder, reference, tmp_path, TOL)

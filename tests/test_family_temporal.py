@@ -18,7 +18,7 @@ from models.loader import build_tower
 from models.presets import PRESETS, full_config
 from models.rotary import AxialRotary
 from tests.checkpoints import CLASSES
-from tests.test_towers import random_pixels, rel_err, run_ours
+from tests.test_towers import normalized, random_pixels, rel_err, run_ours
 
 TOL = 1e-4
 PRESET_NAMES = ["tiny-ernie4.5-vl-moe", "tiny-minimax-m3"]
@@ -66,10 +66,6 @@ def write_folder(name: str, model, folder) -> None:
     (folder / "preprocessor_config.json").write_text(json.dumps(PRESETS[name].preprocessor))
     if PRESETS[name].video_preprocessor:
         (folder / "video_preprocessor_config.json").write_text(json.dumps(PRESETS[name].video_preprocessor))
-
-
-def normalized(tower, pixels: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(tower.processor.normalize(pixels.numpy()))
 
 
 def test_image_parity_with_transformers(checkpoint):

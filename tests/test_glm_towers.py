@@ -19,7 +19,14 @@ from models.loader import build_tower
 from models.positions import bicubic_frame_taps
 from models.presets import PRESETS, full_config
 from tests.checkpoints import CLASSES, write_checkpoint
-from tests.test_towers import random_pixels, rel_err, run_ours, swap_layout
+from tests.test_towers import (
+    assert_cli_encode_equals_reference,
+    normalized,
+    random_pixels,
+    rel_err,
+    run_ours,
+    swap_layout,
+)
 
 FAMILIES = ["tiny-glm4v", "tiny-glm4v-moe", "tiny-glm46v", "tiny-glm-ocr"]
 # Grids larger and smaller than the tiny presets' 8x8 position table, square and not.
@@ -33,10 +40,6 @@ def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param.replace(".", "_"))
     reference = write_checkpoint(request.param, folder)
     return request.param, folder, reference
-
-
-def normalized(tower, pixels: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(tower.processor.normalize(pixels.numpy()))
 
 
 def test_image_parity_with_transformers(checkpoint):
@@ -155,29 +158,6 @@ def test_full_size_parameters_match_transformers(preset):
 def test_vitserve_encode_serves_a_glm_checkpoint(tmp_path):
     """`vitserve encode --model <folder>` on a GLM-4.1V checkpoint: an image and a video, preprocessed by the
     GLM rules, encoded equal to transformers' GLM on those pixels."""
-    from safetensors import safe_open
-
-    from service.media.image_preprocess import preprocess_image_bytes
-    from service.media.video_preprocess import preprocess_video_bytes
-    from tests.test_cli import SAMPLE, VIDEO, vitserve
-
     folder = tmp_path / "glm"
     reference = write_checkpoint("tiny-glm4v", folder)
-    out = tmp_path / "out.safetensors"
-    done = vitserve("encode", "--model", str(folder), "-o", str(out), str(SAMPLE), str(VIDEO))
-    assert done.returncode == 0, done.stderr
-    tower = load_tower(str(folder), device="cpu", dtype="float32")
-    image = preprocess_image_bytes(SAMPLE.read_bytes(), tower.processor)
-    video = preprocess_video_bytes(VIDEO.read_bytes(), tower.processor)
-    with torch.no_grad():
-        ref_image = reference.model.get_image_features(
-            pixel_values=normalized(tower, torch.from_numpy(image.pixels)),
-            image_grid_thw=torch.tensor([image.grid_thw]))
-        ref_video = reference.model.get_video_features(
-            pixel_values_videos=normalized(tower, torch.from_numpy(video.pixels)),
-            video_grid_thw=torch.tensor([video.grid_thw]))
-    with safe_open(str(out), "pt") as f:
-        assert f.get_tensor("grid_thw.0").tolist() == [list(image.grid_thw)]
-        assert f.get_tensor("grid_thw.1").tolist() == [list(video.grid_thw)]
-        assert rel_err(f.get_tensor("embeds.0"), torch.cat(ref_image.pooler_output)) <= TOL
-        assert rel_err(f.get_tensor("embeds.1"), torch.cat(ref_video.pooler_output)) <= TOL
+    assert_cli_encode_equals_reference(folder, reference, tmp_path, TOL)

@@ -57,6 +57,39 @@ def run_reference(model, tower, grids, pixels):
     return reference_features(model, x, grids)  # the Omni models: their thinker's vision encoder
 
 
+def normalized(tower, pixels: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(tower.processor.normalize(pixels.numpy()))
+
+
+def assert_cli_encode_equals_reference(folder, reference, tmp_path, tol: float) -> None:
+    """`vitserve encode --model <folder>` on the sample image and video: each sized by the family's own rules
+    and encoded equal (relative error <= `tol`) to transformers' `reference` model on those pixels."""
+    from safetensors import safe_open
+
+    from service.media.image_preprocess import preprocess_image_bytes
+    from service.media.video_preprocess import preprocess_video_bytes
+    from tests.test_cli import SAMPLE, VIDEO, vitserve
+
+    out = tmp_path / "out.safetensors"
+    done = vitserve("encode", "--model", str(folder), "-o", str(out), str(SAMPLE), str(VIDEO))
+    assert done.returncode == 0, done.stderr
+    tower = load_tower(str(folder), device="cpu", dtype="float32")
+    image = preprocess_image_bytes(SAMPLE.read_bytes(), tower.processor)
+    video = preprocess_video_bytes(VIDEO.read_bytes(), tower.processor)
+    with torch.no_grad():
+        ref_image = reference.model.get_image_features(
+            pixel_values=normalized(tower, torch.from_numpy(image.pixels)),
+            image_grid_thw=torch.tensor([image.grid_thw]))
+        ref_video = reference.model.get_video_features(
+            pixel_values_videos=normalized(tower, torch.from_numpy(video.pixels)),
+            video_grid_thw=torch.tensor([video.grid_thw]))
+    with safe_open(str(out), "pt") as f:
+        assert f.get_tensor("grid_thw.0").tolist() == [list(image.grid_thw)]
+        assert f.get_tensor("grid_thw.1").tolist() == [list(video.grid_thw)]
+        assert rel_err(f.get_tensor("embeds.0"), torch.cat(ref_image.pooler_output)) <= tol
+        assert rel_err(f.get_tensor("embeds.1"), torch.cat(ref_video.pooler_output)) <= tol
+
+
 def random_pixels(tower, grids, seed=0):
     n = sum(t * h * w for t, h, w in grids)
     gen = torch.Generator().manual_seed(seed)

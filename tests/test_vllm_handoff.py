@@ -86,6 +86,22 @@ def post(client, body: dict[str, Any]) -> dict[str, Any]:
     return {"body": r.json(), "cache_hits": int(r.headers["x-vitserve-cache-hits"])}
 
 
+def encode_three_ways(name: str, store: Path, items: list[dict[str, Any]], media_parts: list[dict[str, Any]],
+                      prompt: str = "Describe.") -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """A server of preset `name` writing its outputs to the shared folder `store`: POST /encode's entries for
+    `items` as floats ("float"), inline vLLM parts ("vllm") and references ("ref"), and the chat request of
+    `media_parts` as the sidecar rewrites it to reference them."""
+    got: dict[str, list[dict[str, Any]]] = {}
+    with ServerThread(settings(model=name, ec_shared_storage=str(store), cache_bytes=64 << 20)) as srv, \
+            srv.client() as c:
+        for kind, fmt in {"float": None, "vllm": "vllm", "ref": "vllm_ref"}.items():
+            r = c.post("/encode", json={"items": items, **({"encoding_format": fmt} if fmt else {})})
+            assert r.status_code == 200, r.text
+            got[kind] = r.json()["data"]
+        chat = sidecar.rewrite_chat(sidecar.chat_request("m", prompt, media_parts), srv.url, mode="ref")
+    return got, chat
+
+
 class Recorder(QuietHandler):
     """The LLM server's HTTP hop (no vLLM server runs without a GPU): records the chat request."""
 

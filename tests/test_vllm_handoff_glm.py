@@ -18,10 +18,9 @@ from safetensors.torch import load_file
 
 from models.families import FAMILIES
 from models.presets import PRESETS
-from service.handoff import sidecar
 from tests.checkpoints import GLM_TOKENIZER_CONFIG, GLM_TOKENS, byte_tokenizer
-from tests.http_helpers import ServerThread, image_bytes, settings
-from tests.test_vllm_handoff import VLLM_DTYPE, reference, run_driver, vllm_python
+from tests.http_helpers import image_bytes
+from tests.test_vllm_handoff import VLLM_DTYPE, encode_three_ways, reference, run_driver, vllm_python
 from tests.videos import make_video
 
 MODELS = ["tiny-glm4v", "tiny-glm-ocr"]
@@ -80,16 +79,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     chats: dict[str, Any] = {}
     request: dict[str, Any] = {"models": [], "tensors_out": str(work / "out.safetensors")}
     for name in MODELS:
-        cfg = settings(model=name, ec_shared_storage=str(store), cache_bytes=64 << 20)
-        got: dict[str, Any] = {}
-        with ServerThread(cfg) as srv, srv.client() as c:
-            for kind, body in {"float": {"items": items()}, "vllm": {"items": items(), "encoding_format": "vllm"},
-                               "ref": {"items": items(), "encoding_format": "vllm_ref"}}.items():
-                r = c.post("/encode", json=body)
-                assert r.status_code == 200, r.text
-                got[kind] = r.json()["data"]
-            chats[name] = sidecar.rewrite_chat(sidecar.chat_request("m", "Describe.", media_parts()), srv.url,
-                                               mode="ref")
+        got, chats[name] = encode_three_ways(name, store, items(), media_parts())
         http[name] = got
         cases = [
             {"name": "embeds", "parts": [e["content_part"] for e in got["vllm"]], "model": False},

@@ -20,9 +20,8 @@ from safetensors.torch import load_file
 
 from models.families import FAMILIES
 from models.presets import PRESETS
-from service.handoff import sidecar
-from tests.http_helpers import ServerThread, image_bytes, settings
-from tests.test_vllm_handoff import VLLM_DTYPE, reference, run_driver, vllm_python
+from tests.http_helpers import image_bytes
+from tests.test_vllm_handoff import VLLM_DTYPE, encode_three_ways, reference, run_driver, vllm_python
 
 NAME = "tiny-paddleocr-vl"
 # A wide and a small image: the small one is scaled up to the processor's minimum.
@@ -92,15 +91,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     store = tmp_path_factory.mktemp("ec")
     work = tmp_path_factory.mktemp("vllm")
     items = [{"type": "image", "image": base64.b64encode(data).decode()} for data in IMAGES]
-    cfg = settings(model=NAME, ec_shared_storage=str(store), cache_bytes=64 << 20)
-    got: dict[str, Any] = {}
-    with ServerThread(cfg) as srv, srv.client() as c:
-        for kind, body in {"float": {"items": items}, "vllm": {"items": items, "encoding_format": "vllm"},
-                           "ref": {"items": items, "encoding_format": "vllm_ref"}}.items():
-            r = c.post("/encode", json=body)
-            assert r.status_code == 200, r.text
-            got[kind] = r.json()["data"]
-        chat = sidecar.rewrite_chat(sidecar.chat_request("m", "OCR:", media_parts()), srv.url, mode="ref")
+    got, chat = encode_three_ways(NAME, store, items, media_parts(), prompt="OCR:")
     cases = [{"name": "embeds", "parts": [e["content_part"] for e in got["vllm"]], "model": False},
              {"name": "ref", "messages": chat["messages"], "consumer": str(store), "model": True}]
     folder = write_vllm_paddleocr_folder(work / NAME)

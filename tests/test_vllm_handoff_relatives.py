@@ -23,10 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from models.presets import PRESETS, full_config
-from service.handoff import sidecar
 from tests.checkpoints import CLASSES
-from tests.http_helpers import ServerThread, settings
-from tests.test_vllm_handoff import VLLM_DTYPE, reference, run_driver, vllm_python
+from tests.test_vllm_handoff import VLLM_DTYPE, encode_three_ways, reference, run_driver, vllm_python
 from tests.test_vllm_handoff_glm import GLM_TOKENS, MEDIA, media_parts, write_vllm_glm_folder
 
 # preset -> whether vLLM's model is built on the CPU here (GLM-5's text model is not: its kernels need a GPU, so
@@ -129,16 +127,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     chats: dict[str, Any] = {}
     request: dict[str, Any] = {"models": [], "tensors_out": str(work / "out.safetensors")}
     for name, builds in MODELS.items():
-        cfg = settings(model=name, ec_shared_storage=str(store), cache_bytes=64 << 20)
-        got: dict[str, Any] = {}
-        with ServerThread(cfg) as srv, srv.client() as c:
-            for kind, body in {"float": {"items": items()}, "vllm": {"items": items(), "encoding_format": "vllm"},
-                               "ref": {"items": items(), "encoding_format": "vllm_ref"}}.items():
-                r = c.post("/encode", json=body)
-                assert r.status_code == 200, r.text
-                got[kind] = r.json()["data"]
-            chats[name] = sidecar.rewrite_chat(sidecar.chat_request("m", "Describe.", media_parts()), srv.url,
-                                               mode="ref")
+        got, chats[name] = encode_three_ways(name, store, items(), media_parts())
         http[name] = got
         cases = [
             {"name": "embeds", "parts": [e["content_part"] for e in got["vllm"]], "model": builds},
