@@ -24,7 +24,7 @@ from service.media.image_preprocess import preprocess_image_bytes
 from service.media.video_preprocess import preprocess_video_bytes
 from tests.checkpoints import visual_of, write_checkpoint
 from tests.http_helpers import ServerThread, b64, image_bytes, settings
-from tests.test_towers import random_pixels, rel_err, run_ours
+from tests.test_towers import random_pixels, rel_err, run_ours, run_padded
 from tests.videos import make_video
 
 PRESETS_HERE = ["tiny-lfm3-vl", "tiny-dots3-note"]
@@ -120,14 +120,7 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
     grids = IMAGE_GRIDS[:3]
     pixels = random_pixels(tower, grids)
     exact = run_ours(tower, grids, pixels)
-    need = tower.required_capacity(grids)
-    cap = type(need)(patches=need.patches + 64 * tower.merge_unit, segments=need.segments + 5,
-                     max_seqlen=need.max_seqlen * 2)
-    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
-    padded[: len(pixels)] = pixels
-    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
-    with torch.no_grad():
-        out = tower(padded, meta, cap)
+    out, _ = run_padded(tower, grids, pixels)
     # on the CPU a matrix product over more rows may round differently (the runner pads eager rows for that)
     tokens = exact.embeds.shape[0]
     assert torch.equal(out.embeds[:tokens], exact.embeds) or rel_err(out.embeds[:tokens], exact.embeds) < 1e-6

@@ -19,7 +19,7 @@ import torch
 from models import load_tower
 from models.metadata import block_order_positions
 from models.presets import PRESETS, full_config
-from tests.test_towers import random_pixels, rel_err, run_ours
+from tests.test_towers import random_pixels, rel_err, run_ours, run_padded
 
 TOL = 1e-4
 IMAGE_GRIDS = [(1, 8, 12), (1, 16, 8), (1, 2, 2), (1, 20, 36), (1, 10, 6)]
@@ -139,15 +139,7 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
     grids = IMAGE_GRIDS[:3]
     pixels = random_pixels(tower, grids)
     exact = run_ours(tower, grids, pixels)
-    need = tower.required_capacity(grids)
-    cap = type(need)(patches=need.patches + 64 * tower.merge_unit, segments=need.segments + 5,
-                     windows=need.windows + 7 if need.windows else 0, max_seqlen=need.max_seqlen * 2,
-                     max_window_seqlen=need.max_window_seqlen)
-    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
-    padded[: len(pixels)] = pixels
-    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
-    with torch.no_grad():
-        out = tower(padded, meta, cap)
+    out, _ = run_padded(tower, grids, pixels)
     tokens = sum(tower.geometry.tokens(g) for g in grids)
     assert torch.equal(out.embeds[:tokens], exact.embeds[:tokens])
     assert np.isfinite(out.embeds[:tokens].numpy()).all()

@@ -21,7 +21,7 @@ from models.patches import Conv2dPatches, LinearPatches
 from models.positions import antialias_metadata, half_pixel_frame_taps, resample_separable
 from models.protocol import Capacity
 from tests.checkpoints import write_checkpoint
-from tests.test_towers import random_pixels, rel_err, run_ours
+from tests.test_towers import random_pixels, rel_err, run_ours, run_padded
 
 PRESETS = ["tiny-paddleocr-vl", "tiny-cosmos3-edge"]
 # Grids larger and smaller than the tiny presets' 8x8 position tables, square and not, down to one merge block.
@@ -73,15 +73,9 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
     grids = IMAGE_GRIDS[:3]
     pixels = random_pixels(tower, grids)
     exact = run_ours(tower, grids, pixels)
-    need = tower.required_capacity(grids)
-    cap = Capacity(patches=need.patches + 32 * tower.merge_unit, segments=need.segments + 4,
-                   max_seqlen=need.max_seqlen * 2)
-    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
-    padded[: len(pixels)] = pixels
+    out, cap = run_padded(tower, grids, pixels)
     meta = tower.build_metadata(grids, cap)
     assert all(isinstance(v, np.ndarray) and v.shape[0] in (cap.patches, cap.segments + 1) for v in meta.values())
-    with torch.no_grad():
-        out = tower(padded, {k: torch.from_numpy(v) for k, v in meta.items()}, cap)
     assert out.embeds.shape[0] == tower.geometry.output_rows(cap)
     assert torch.equal(out.embeds[: exact.embeds.shape[0]], exact.embeds)
 

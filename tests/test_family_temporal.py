@@ -18,7 +18,7 @@ from models.loader import build_tower
 from models.presets import PRESETS, full_config
 from models.rotary import AxialRotary
 from tests.checkpoints import CLASSES
-from tests.test_towers import normalized, random_pixels, rel_err, run_ours
+from tests.test_towers import normalized, random_pixels, rel_err, run_ours, run_padded
 
 TOL = 1e-4
 PRESET_NAMES = ["tiny-ernie4.5-vl-moe", "tiny-minimax-m3"]
@@ -112,14 +112,9 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
         exact_meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, need).items()}
         with torch.no_grad():
             exact = tower(pixels, exact_meta, need).embeds
-        cap = type(need)(patches=need.patches + 64 * tower.merge_unit, segments=need.segments + 5,
-                         max_seqlen=need.max_seqlen * 2, modality=modality)
-        padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
-        padded[: len(pixels)] = pixels
-        meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+        result, cap = run_padded(tower, grids, pixels, modality)
+        out = result.embeds
         assert all(isinstance(v, np.ndarray) for v in tower.build_metadata(grids, cap).values())
-        with torch.no_grad():
-            out = tower(padded, meta, cap).embeds
         assert out.shape[0] == tower.geometry.output_rows(cap)
         assert rel_err(out[: exact.shape[0]], exact) < 1e-6, modality
 

@@ -25,6 +25,7 @@ from tests.test_towers import (
     random_pixels,
     rel_err,
     run_ours,
+    run_padded,
     swap_layout,
 )
 
@@ -76,14 +77,7 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
     grids = VIDEO_GRIDS[:2] + IMAGE_GRIDS[:2]
     pixels = random_pixels(tower, grids)
     exact = run_ours(tower, grids, pixels)
-    need = tower.required_capacity(grids)
-    cap = type(need)(patches=need.patches + 64 * tower.merge_unit, segments=need.segments + 5,
-                     max_seqlen=need.max_seqlen * 2)
-    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
-    padded[: len(pixels)] = pixels
-    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
-    with torch.no_grad():
-        out = tower(padded, meta, cap)
+    out, _ = run_padded(tower, grids, pixels)
     tokens = exact.embeds.shape[0]
     assert rel_err(out.embeds[:tokens], exact.embeds) < 1e-6
 

@@ -4,6 +4,7 @@ DeepStack where the family has it, both key layouts, a sharded checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -90,6 +91,21 @@ def assert_cli_encode_equals_reference(folder, reference, tmp_path, tol: float) 
         assert rel_err(f.get_tensor("embeds.1"), torch.cat(ref_video.pooler_output)) <= tol
 
 
+def run_padded(tower, grids, pixels, modality: str = "image"):
+    """The forward of `grids` at a capacity larger than they need, as a graph key runs it: 64 more merge units
+    of rows (filled with 77), 5 more segments, 7 more windows where the family has them, longer sequences.
+    Its output and that capacity."""
+    need = tower.required_capacity(grids, modality)
+    cap = dataclasses.replace(need, patches=need.patches + 64 * tower.merge_unit, segments=need.segments + 5,
+                              windows=need.windows + 7 if need.windows else 0, max_seqlen=need.max_seqlen * 2,
+                              max_window_seqlen=need.max_window_seqlen * 2)
+    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
+    padded[: len(pixels)] = pixels
+    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
+    with torch.no_grad():
+        return tower(padded, meta, cap), cap
+
+
 def random_pixels(tower, grids, seed=0):
     n = sum(t * h * w for t, h, w in grids)
     gen = torch.Generator().manual_seed(seed)
@@ -119,19 +135,7 @@ def test_padding_to_a_larger_capacity_changes_nothing(checkpoint):
     grids = GRIDS[:3]
     pixels = random_pixels(tower, grids)
     exact = run_ours(tower, grids, pixels)
-    need = tower.required_capacity(grids)
-    cap = type(need)(
-        patches=need.patches + 64 * tower.merge_unit,
-        segments=need.segments + 5,
-        windows=need.windows + 7 if need.windows else 0,
-        max_seqlen=need.max_seqlen * 2,
-        max_window_seqlen=need.max_window_seqlen * 2,
-    )
-    padded = torch.full((cap.patches, pixels.shape[1]), 77, dtype=torch.uint8)
-    padded[: len(pixels)] = pixels
-    meta = {k: torch.from_numpy(v) for k, v in tower.build_metadata(grids, cap).items()}
-    with torch.no_grad():
-        out = tower(padded, meta, cap)
+    out, _ = run_padded(tower, grids, pixels)
     tokens = exact.embeds.shape[0]
     assert torch.equal(out.embeds[:tokens], exact.embeds) or rel_err(out.embeds[:tokens], exact.embeds) < 1e-6
 
