@@ -89,10 +89,11 @@ def tower_dims(tower) -> dict:
         merger = [tower.merger_products]
     else:
         merger = [[(wide, wide), (wide, d.out)]] * (1 + tower.num_deepstack)
+    windows = getattr(tower, "windows", None)  # towers without a window layout attend over whole frames or clips
     return dict(hidden=d.hidden, inter=d.mlp, depth=d.depth, heads=d.heads, kv_heads=d.kv_heads,
                 gated=tower.spec.mlp == "gated", cin=tower.processor.patch_dim, out=d.out,
-                merger=merger, unit=tower.merge_unit,
-                window=tower.windows.window if tower.windows else 0, full=set(tower.full_attention))
+                merger=merger, unit=tower.merge_unit, window=windows.window if windows else 0,
+                full=set(getattr(tower, "full_attention", range(d.depth))))
 
 
 def hf_grid_thw(tower, grids) -> list[tuple[int, int, int]]:
@@ -324,7 +325,11 @@ def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: l
     print(json.dumps(env), flush=True)
     rows = []
     for name in models:
-        rows += bench_model(name, peak, max_batch_tokens, only)
+        try:
+            rows += bench_model(name, peak, max_batch_tokens, only)
+        except Exception as exc:  # noqa: BLE001 - one model's failure is a row; the others still run
+            print(f"{name}: failed: {exc!r}", flush=True)
+            rows.append(dict(model=name, workload="_failed", error=repr(exc)))
         torch.cuda.empty_cache()
     result = {"env": env, "rows": rows}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
@@ -474,6 +479,9 @@ def print_table(rows: list[dict]) -> None:
         if r["workload"] == "_capture":
             print(f"{r['model']:22} capture: {r['graphs']} graphs, {r['capture_s']} s, {r['pool_gib']} GiB")
             continue
+        if r["workload"] == "_failed":
+            print(f"{r['model']:22} failed: {r['error']}")
+            continue
         print(f"{r['model']:22} {r['workload']:14} {r['hf_ms']:8.2f} {r['graph_ms']:9.2f} {r['eager_ms']:9.2f} "
               f"{r['eager_unfused_ms']:9.2f} {r['floor_ms']:9.2f} {r['floor_best_ms']:10.2f} {r['speedup_vs_hf']:6.2f} "
               f"{r['over_floor']:7.2f} {r['over_floor_best']:6.2f} {r['mfu']:5.2f} {r['hit_rate']:5.2f}")
@@ -488,7 +496,7 @@ def chart(rows: list[dict], path: Path) -> None:
     except ImportError:
         log.warning("matplotlib not installed: no chart written")
         return
-    data = [r for r in rows if r["workload"] != "_capture"]
+    data = [r for r in rows if not r["workload"].startswith("_")]
     labels = [f"{r['model'].split(':')[-1]}\n{r['workload']}" for r in data]
     xs = np.arange(len(data))
     fig, ax = plt.subplots(figsize=(max(8, len(data) * 0.6), 4.5))
