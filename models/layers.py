@@ -84,6 +84,9 @@ class GatedMlp(nn.Module):
     def fuse(self) -> None:
         h, padded = self.hidden, -(-self.hidden // 64) * 64
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if self.fused is not None and self.fused[0].data_ptr() == gate.weight.data_ptr() \
+                and self.fused[0].dtype == gate.weight.dtype:  # still in place (not cast or moved since)
+            return
         weight = gate.weight.new_zeros(2 * padded, gate.weight.shape[1])
         down_weight = down.weight.new_zeros(down.weight.shape[0], padded)
         weight[:h], weight[padded : padded + h] = gate.weight.data, up.weight.data

@@ -54,15 +54,22 @@ class _RowProduct:
 
     @torch.no_grad()
     def fuse(self) -> None:
-        """After loading: keep a reordered copy when the weight's order is not the rows' (a few MB at most);
-        a plain tensor, not a product of the parameter (the tower can be copied, and keeps no autograd graph)."""
+        """After loading: keep a copy in the rows' order, with zero columns up to a multiple of 8 (a few MB at
+        most); a plain tensor, not a product of the parameter (the tower can be copied, and keeps no autograd
+        graph). The padding is for cuBLAS: a bias-free bf16 product with an inner dimension off a multiple of 8
+        (ERNIE's 588) took kernels whose rows differed with the row count on the H200 (models/blas.py)."""
         self.flat = None
-        if self.weight_layout != self.rows:
-            self.flat = self.row_weight().contiguous()
+        w = self.row_weight()
+        pad = -w.shape[1] % 8
+        if self.weight_layout != self.rows or pad:
+            self.flat = F.pad(w, (0, pad)).contiguous()
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         w = self.row_weight()
-        return F.linear(x.to(w.dtype), w, self.bias)
+        x = x.to(w.dtype)
+        if x.shape[-1] != w.shape[1]:  # the zero columns `fuse` added
+            x = F.pad(x, (0, w.shape[1] - x.shape[-1]))
+        return F.linear(x, w, self.bias)
 
 
 class Conv2dPatches(_RowProduct, nn.Conv2d):

@@ -141,8 +141,8 @@ class QwenTower(TowerBase):
         by building on the meta device, and the fused projections."""
         self.normalize.reset()
         self.rotary.reset()
-        for module in self.modules():
-            if isinstance(module, (GatedMlp, Attention)):
+        for module in self.modules():  # q/k/v, gate/up, patch embeddings, merging convolutions
+            if module is not self and callable(getattr(module, "fuse", None)):
                 module.fuse()
 
     def set_attention(self, backend: str) -> None:

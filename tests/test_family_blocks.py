@@ -174,11 +174,20 @@ def test_experts_equal_transformers_and_the_router_stays_float32():
             if hasattr(m, "fuse"):
                 m.fuse()
         assert rel_err(ours(x), want) <= 1e-6
+        # the routed pass (CUDA bf16 serves it; the CPU's grouped product runs it here) over the stacked
+        # weights, which the experts' own parameters are views of, not copies
+        assert ours.experts[1].fc1.weight.data_ptr() == ours.stacked[0][1].data_ptr()
+        assert rel_err(ours.forward_routed(x), want) <= 1e-6
         # every expert is chosen by some row: the routing is not degenerate
         assert (ours.route(x) > 0).any(0).all()
     ours.to(torch.bfloat16)
     assert ours.gate_weight.dtype == ours.router_bias.dtype == torch.float32
     assert ours.experts[0].fc1.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        ours.fuse()
+        xb = x.bfloat16()
+        assert ours.stacked[0].dtype == torch.bfloat16
+        assert rel_err(ours.forward_routed(xb), ours(xb)) <= 1e-2  # the dense pass: the same sums, other kernels
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ loaded from the same safetensors written by `save_pretrained` (fp32, CPU), throu
 square and not, and videos (Kimi's in chunks of 4 frames, the last one shorter, one of a single frame).
 
 vitserve's pixel rows travel in merge-block order with columns (channel, temporal, pixels); the references
-take raster-order rows, Muse's with columns (temporal, channel, pixels): `reference_rows` reorders them."""
+take raster-order rows, Muse's with columns (temporal, channel, pixels): the family's `reference_features`
+reorders them (models/families/kimi_k25.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import pytest
 import torch
 
 from models import load_tower
-from models.metadata import block_order_positions
 from models.presets import PRESETS, full_config
 from tests.test_towers import random_pixels, rel_err, run_ours, run_padded
 
@@ -65,35 +65,16 @@ def checkpoint(request, tmp_path_factory):
     return request.param, folder, write_checkpoint(request.param, folder)
 
 
-def reference_rows(tower, pixels: torch.Tensor, grids) -> torch.Tensor:
-    """Our uint8 rows, normalised, in the reference's row order and column layout."""
-    x = torch.from_numpy(tower.processor.normalize(pixels.numpy()))
-    out, start = torch.empty_like(x), 0
-    for t, h, w in grids:
-        pos = block_order_positions(h, w, tower.merge)
-        raster = torch.from_numpy(pos[:, 0] * w + pos[:, 1])
-        for _ in range(t):
-            out[start + raster] = x[start : start + h * w]
-            start += h * w
-    tps, p = tower.processor.temporal_patch_size, tower.processor.patch_size
-    if tower.family == "kimi_k25":
-        return out.view(-1, 3, p, p)
-    return out.view(-1, 3, tps, p * p).transpose(1, 2).reshape(len(out), -1)
-
-
 def kimi_chunks(grids, chunk: int = 4):
     return [(min(chunk, t - s), h, w) for t, h, w in grids for s in range(0, t, chunk)]
 
 
 def reference_features(model, tower, pixels, grids, video: bool) -> torch.Tensor:
-    x = reference_rows(tower, pixels, grids).to(model.device, model.dtype)  # the model's own dtype
+    """The family's reference entry point on our uint8 rows, normalised, in the model's own dtype."""
+    x = torch.from_numpy(tower.processor.normalize(pixels.numpy())).to(model.device, model.dtype)
     ref_grids = torch.tensor(kimi_chunks(grids) if tower.family == "kimi_k25" else grids, device=model.device)
     with torch.no_grad():
-        if video:
-            out = model.model.get_video_features(pixel_values_videos=x, video_grid_thw=ref_grids)
-        else:
-            out = model.model.get_image_features(pixel_values=x, image_grid_thw=ref_grids)
-    return torch.cat(out.pooler_output)
+        return tower.spec.extra["reference_features"](model, x, ref_grids, video)
 
 
 def test_image_parity_with_transformers(checkpoint):

@@ -77,10 +77,6 @@ class GlmTower(QwenTower):
         context = dims.out * cfg.in_channels if family.extra.get("merger_per_channel") else cfg.intermediate_size
         self.merger = GlmMerger(dims.out, context, cfg.hidden_act)
 
-    def reset_buffers(self) -> None:
-        super().reset_buffers()
-        self.downsample.fuse()
-
     def build_metadata(self, grids: Sequence[Grid], cap: Capacity) -> dict[str, np.ndarray]:
         meta = super().build_metadata(grids, cap)
         if self.position_table:

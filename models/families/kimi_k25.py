@@ -27,7 +27,7 @@ from models.config import ProcessorConfig
 from models.family import Dims, Family, register
 from models.kimi_block import KIMI_NORM_EPS, PairwiseRotaryBlock
 from models.layers import Attention, Normalize
-from models.metadata import base_capacity, padded_cumsum, segment_lengths
+from models.metadata import base_capacity, block_order_positions, padded_cumsum, segment_lengths
 from models.patches import Conv2dPatches, PatchProjection
 from models.positions import resample_float32, tap_metadata
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
@@ -197,6 +197,36 @@ def kimi_processor_config(family: str, image: dict[str, Any], video: dict[str, A
                    video=frames)
 
 
+def raster_rows(pixels: torch.Tensor, grids: Sequence[Grid], merge: int) -> torch.Tensor:
+    """Packed patch rows (each frame in merge-block order) in each frame's raster order, as transformers' Kimi
+    and Muse models take them."""
+    out, start = torch.empty_like(pixels), 0
+    for t, h, w in grids:
+        pos = block_order_positions(h, w, merge)
+        raster = torch.from_numpy(pos[:, 0] * w + pos[:, 1]).to(pixels.device)
+        for _ in range(t):
+            out[start + raster] = pixels[start : start + h * w]
+            start += h * w
+    return out
+
+
+def reference_features(model: Any, pixels: torch.Tensor, grid_thw: torch.Tensor, video: bool = False) -> torch.Tensor:
+    """transformers' features (Kimi's or Muse's `get_image_features`, or `get_video_features`) for packed
+    normalised rows: rows in raster order, Kimi's as [N, 3, p, p] patches, Muse's with the temporal axis first in
+    each row (the tests' and benchmarks' reference; `grid_thw` as the model takes it, Kimi's video in chunks)."""
+    vision = model.config.vision_config
+    p = vision.patch_size
+    grids = [tuple(g) for g in grid_thw.tolist()]
+    if hasattr(vision, "merge_kernel_size"):  # Kimi: one frame per patch, a Conv2d
+        x = raster_rows(pixels, grids, vision.merge_kernel_size[0]).view(-1, 3, p, p)
+    else:  # Muse: rows of (temporal, channel, pixels)
+        x = raster_rows(pixels, grids, vision.merge_size)
+        x = x.view(len(x), 3, vision.patch_temporal, p * p).transpose(1, 2).reshape(len(x), -1)
+    if video:
+        return torch.cat(model.model.get_video_features(pixel_values_videos=x, video_grid_thw=grid_thw).pooler_output)
+    return torch.cat(model.model.get_image_features(pixel_values=x, image_grid_thw=grid_thw).pooler_output)
+
+
 KIMI_K25 = register(Family(
     "kimi_k25", "Kimi-K2.5 / K2.6", config_path=(), dims=kimi_dims,
     prefixes=("vision_tower.", "model.mm_projector.", "mm_projector."),
@@ -204,5 +234,6 @@ KIMI_K25 = register(Family(
     image_sizing="kimi", video_sampling="kimi",
     # vLLM 0.33 serves Kimi-K2.5 through its own "vision_chunk" items and refuses embeddings for them
     vllm_embedding_parts=False, tower=KimiTower,
-    extra={"processor_config": kimi_processor_config, "max_side_patches": 512},
+    extra={"processor_config": kimi_processor_config, "max_side_patches": 512,
+           "reference_features": reference_features},
 ))

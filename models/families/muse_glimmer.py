@@ -22,6 +22,7 @@ from torch import nn
 
 from models.attention import SHORT_SEQLEN
 from models.config import ProcessorConfig
+from models.families.kimi_k25 import reference_features
 from models.family import Dims, Family, register
 from models.kernels import ACTIVATIONS
 from models.kimi_block import kimi_block
@@ -175,5 +176,5 @@ MUSE_GLIMMER = register(Family(
     "muse_glimmer", "Muse-Glimmer", config_path=(), dims=muse_dims,
     prefixes=("model.vision_", "vision_"), image_processor="MuseGlimmerImageProcessor",
     hf_class="MuseGlimmerForConditionalGeneration", image_sizing="muse", video_sampling="muse",
-    tower=MuseTower, extra={"processor_config": muse_processor_config},
+    tower=MuseTower, extra={"processor_config": muse_processor_config, "reference_features": reference_features},
 ))
