@@ -198,6 +198,20 @@ def test_patch_embeddings_read_rows_in_either_layout():
     assert torch.allclose(linear(chw), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_patch_embeddings_pad_their_inner_dimension_to_a_multiple_of_8(bias):
+    """A 14x14 RGB patch is 588 inputs: fused, the weight carries 4 zero columns (what kept cuBLAS on kernels
+    whose rows do not change with the row count) and the rows are padded to match, with the same result."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(7, 588, generator=gen)
+    for embed in (Conv2dPatches(3, 16, 14, bias=bias), LinearPatches(3, 1, 14, 16, "chw", "chw", bias=bias)):
+        expected = embed(rows)
+        embed.fuse()
+        assert embed.flat is not None and embed.flat.shape == (16, 592)
+        assert torch.equal(embed.flat[:, 588:], torch.zeros(16, 4))
+        assert torch.allclose(embed(rows), expected, atol=1e-6)
+
+
 
 def sample_items(tower):
     from service.media.image_preprocess import preprocess_image_bytes

@@ -140,6 +140,7 @@ class KimiTower(TowerBase):
     def reset_buffers(self) -> None:
         self.normalize.reset()
         self.rotary.reset()
+        self.encoder.patch_embed.proj.fuse()  # its 588 inputs padded to 592 (models/patches.py)
         self.time_table = sinusoid_table(self.config.pos_emb_time, self.hidden).to(self.time_table.device)
         for module in self.modules():
             if isinstance(module, Attention):
