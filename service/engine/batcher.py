@@ -69,12 +69,13 @@ class Work:
 class Throughput:
     """An engine's measured rate in merged tokens per second, over its recent batches.
 
-    A batch's service time is from its dispatch, or the engine's previous completion if it queued behind
-    one, to its own completion, as the front sees it: everything the engine spends on it (staging, the
-    device, writing its outputs) and nothing of the time it sat idle. The rate is decayed sums of tokens
-    over decayed sums of those times, so large batches weigh as much as their tokens (a lone small batch,
-    slower per token, does not drag down the estimate of a loaded engine). None until `MIN_BATCHES`
-    batches are measured: the first ones pay for warm-up."""
+    A batch's service time runs to its completion from the later of the engine's previous completion and
+    the moment the batch's first item was ready in the queue: what the engine spends on it (staging, the
+    device, writing its outputs) and the front's time between batches while work waited (dispatching, which
+    a loaded host stretches), but nothing of the time the engine sat idle with no work. The rate is decayed
+    sums of tokens over decayed sums of those times, so large batches weigh as much as their tokens (a lone
+    small batch, slower per token, does not drag down the estimate of a loaded engine). None until
+    `MIN_BATCHES` batches are measured: the first ones pay for warm-up."""
 
     DECAY = 0.8  # per batch
     MIN_BATCHES = 3
@@ -85,8 +86,9 @@ class Throughput:
         self.batches = 0
         self.last_done = 0.0
 
-    def add(self, tokens: int, dispatched: float, done: float) -> None:
-        busy = done - max(dispatched, self.last_done)
+    def add(self, tokens: int, ready: float, done: float) -> None:
+        """A batch of `tokens`, its first item queued at `ready`, came back at `done` (`time.monotonic()`)."""
+        busy = done - max(ready, self.last_done)
         self.last_done = done
         if busy <= 0:
             return
@@ -258,7 +260,8 @@ class Batcher:
             return
         self._outstanding[engine.index] -= flight.job.batch.tokens
         if kind == "done":  # the engine has retired the job's pixels, as it does on "error" too
-            self.throughput[engine.index].add(flight.job.batch.tokens, flight.dispatched, time.monotonic())
+            ready = min((w.enqueued for w in flight.works), default=flight.dispatched)
+            self.throughput[engine.index].add(flight.job.batch.tokens, ready, time.monotonic())
             self.metrics.engine_rate.set(self.rate() or 0)
             _, _, seconds, device_s, stats, steps = message
             engine.stats = stats
