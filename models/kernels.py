@@ -185,7 +185,8 @@ def clamped_swiglu(h: torch.Tensor, act: str, gated_width: int, limit: float) ->
 
 def linear_act(x: torch.Tensor, linear: nn.Linear, act: str) -> torch.Tensor:
     """act(linear(x)); tanh-GELU runs in cuBLASLt's epilogue, where it costs no extra pass."""
-    if act == "gelu_pytorch_tanh" and linear.bias is not None and x.dim() == 2 and _use("gelu_epilogue", x):
+    if act == "gelu_pytorch_tanh" and isinstance(linear, nn.Linear) and linear.bias is not None and x.dim() == 2 \
+            and _use("gelu_epilogue", x):  # an FP8 product (models/quantization.py) has no GELU epilogue
         return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
     return activate(linear(x), act)
 

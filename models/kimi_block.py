@@ -13,10 +13,10 @@ columns run (temporal, channel, pixels), reordered once after loading).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.layers import Attention, Block, Mlp
+from models.quantization import linear
 
 KIMI_NORM_EPS = 1e-5  # the blocks' LayerNorms
 
@@ -50,7 +50,10 @@ class ProjAttention(Attention):
     def projections(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is None:
             return torch.cat([p(x) for p in self.parts], dim=-1)
-        return F.linear(x, *self.fused)
+        return linear(x, *self.fused)
+
+    def fused_parts(self) -> tuple[nn.Module, ...]:
+        return self.parts
 
 
 def kimi_block(dim: int, heads: int, mlp: int, act: str, backend: str, eps: float = KIMI_NORM_EPS) -> Block:

@@ -12,6 +12,7 @@ from torch import nn
 
 from models.attention import packed_attention
 from models.kernels import ACTIVATIONS, activate, add_norm, apply_rotary, clamped_swiglu, linear_act
+from models.quantization import linear
 
 
 class PatchEmbed(nn.Module):
@@ -84,7 +85,8 @@ class GatedMlp(nn.Module):
     def fuse(self) -> None:
         h, padded = self.hidden, -(-self.hidden // 64) * 64
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        if self.fused is not None and self.fused[0].data_ptr() == gate.weight.data_ptr() \
+        if self.fused is not None and isinstance(self.fused[0], torch.Tensor) \
+                and self.fused[0].data_ptr() == gate.weight.data_ptr() \
                 and self.fused[0].dtype == gate.weight.dtype:  # still in place (not cast or moved since)
             return
         weight = gate.weight.new_zeros(2 * padded, gate.weight.shape[1])
@@ -100,6 +102,11 @@ class GatedMlp(nn.Module):
             gate.bias.data, up.bias.data = bias[:h], bias[padded : padded + h]
         self.fused = (weight, bias, down_weight, padded)
 
+    FUSED_WEIGHTS = (0, 2)  # the positions in `fused` of the gate/up and down weights (models/quantization.py)
+
+    def fused_parts(self) -> tuple[nn.Module, ...]:
+        return (self.gate_proj, self.up_proj, self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is None:
             if self.limit is not None:
@@ -108,10 +115,10 @@ class GatedMlp(nn.Module):
             return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
         weight, bias, down_weight, padded = self.fused
         if self.limit is None:
-            hidden = activate(F.linear(x, weight, bias), self.act, gated_width=padded)
+            hidden = activate(linear(x, weight, bias), self.act, gated_width=padded)
         else:
-            hidden = clamped_swiglu(F.linear(x, weight, bias), self.act, padded, self.limit)
-        return F.linear(hidden, down_weight, self.down_proj.bias)
+            hidden = clamped_swiglu(linear(x, weight, bias), self.act, padded, self.limit)
+        return linear(hidden, down_weight, self.down_proj.bias)
 
 
 def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
@@ -248,7 +255,10 @@ class Attention(nn.Module):
             return self.qkv(x)
         if self.fused is None:  # not loaded yet (shape checks, reference comparisons)
             return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-        return F.linear(x, *self.fused)
+        return linear(x, *self.fused)
+
+    def fused_parts(self) -> tuple[nn.Module, ...]:
+        return (self.q, self.k, self.v) if self.separate else ()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,

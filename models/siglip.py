@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.attention import packed_attention
@@ -33,6 +32,7 @@ from models.metadata import padded_cumsum, rotary_positions, segment_lengths
 from models.patches import Conv2dPatches, LinearPatches
 from models.positions import antialias_metadata, half_pixel_metadata, resample, resample_separable
 from models.protocol import Capacity, CapacityError, TowerOutput
+from models.quantization import linear
 from models.tower import QwenTower, rope_theta
 
 
@@ -65,13 +65,16 @@ class SiglipAttention(nn.Module):
             p.weight.data, p.bias.data = weight[i * rows : (i + 1) * rows], bias[i * rows : (i + 1) * rows]
         self.fused = (weight, bias)
 
+    def fused_parts(self) -> tuple[nn.Module, ...]:
+        return tuple(getattr(self, n) for n in self.names[:3])
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 cu_seqlens: torch.Tensor, max_seqlen: int, short: bool = False) -> torch.Tensor:
         n, heads = x.shape[0], self.heads
         if self.fused is None:  # not loaded yet (shape checks)
             rows = torch.cat([getattr(self, name)(x) for name in self.names[:3]], dim=-1)
         else:
-            rows = F.linear(x, *self.fused)
+            rows = linear(x, *self.fused)
         rows = rows.view(n, 3 * heads, -1)
         q, k, v = rows[:, :heads], rows[:, heads : 2 * heads], rows[:, 2 * heads :]
         if cos is not None:

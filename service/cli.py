@@ -90,6 +90,9 @@ def add_encode_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn", "sdpa"],
                    help="attention backend (auto: cuDNN when it passes its load-time check, else varlen_attn, "
                         "on CUDA; SDPA per segment on the CPU)")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="fp8: the tower's linear layers as FP8 products, refused (exit 3) if its outputs fall below "
+                        "the agreement bar with the unquantized tower")
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of the largest batch/graph")
     p.add_argument("--t-capture", type=int, default=8, help="temporal patches per video slot in the graphs")
     p.add_argument("--eager", action="store_true", help="bypass the graph pool")
@@ -144,6 +147,7 @@ def run_encode(args: argparse.Namespace) -> int:
     from safetensors.torch import save
 
     from graphs.budgets import BudgetError
+    from graphs.precision import QuantizationRefused, quantize_with_gate
     from graphs.runner import GraphRunner, plan_for
     from models import CheckpointError, load_tower
     from service.media.errors import MediaError
@@ -159,9 +163,16 @@ def run_encode(args: argparse.Namespace) -> int:
         return EXIT_SETTINGS
     try:
         tower = load_tower(args.model, device=args.device, dtype=args.dtype, attention=args.attention)
+        if args.quantization == "fp8":
+            from models.families import FAMILIES
+
+            tower.quantization = quantize_with_gate(tower, tower.device, FAMILIES[tower.family].video)
         plan = plan_for(tower, max_batch_tokens=args.max_batch_tokens, t_capture=args.t_capture)
     except CheckpointError as exc:  # the model, as `vitserve serve` exits for it
         print(f"error: --model: {exc}", file=sys.stderr)
+        return EXIT_MODEL
+    except QuantizationRefused as exc:
+        print(f"error: --quantization fp8: {exc}", file=sys.stderr)
         return EXIT_MODEL
     except (BudgetError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -213,7 +224,8 @@ def run_encode(args: argparse.Namespace) -> int:
     print(f"wrote {target if target is not None else 'stdout'}: {len(items)} inputs in {elapsed:.2f}s",
           file=sys.stderr)
     if args.stats:
-        print(json.dumps(runner.stats.as_dict()), file=report)
+        print(json.dumps({**runner.stats.as_dict(),
+                          "quantization": getattr(tower, "quantization", None) or {"mode": "none"}}), file=report)
     return 0
 
 
@@ -239,6 +251,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help=f"comma list of presets; also {', '.join(BENCH_FAMILY_MODELS)}")
     p.add_argument("--workloads", default="", help="comma list (default: all)")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="fp8: each model's FP8 rows (MODEL+fp8) after its bf16 ones; with --http, pass it in "
+                        "--serve-flags")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     # HTTP load benchmark (service/bench/http.py); runs on a CPU machine too.
     p.add_argument("--http", action="store_true", help="load-test `vitserve serve` over HTTP on loopback against "
@@ -291,7 +306,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print("error: vitserve bench needs a CUDA GPU", file=sys.stderr)
         return 2
     run(args.models.split(","), args.out, args.max_batch_tokens,
-        args.workloads.split(",") if args.workloads else None)
+        args.workloads.split(",") if args.workloads else None, args.quantization)
     return 0
 
 

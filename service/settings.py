@@ -89,6 +89,10 @@ class ServeSettings(BaseModel):
                           pattern="^(auto|varlen|cudnn|sdpa)$")
     batch_invariant: bool = flag("matrix products whose rows do not depend on the batch, so an item's embedding is "
                                  "the same bytes alone or in any batch (default on)", default=True)
+    quantization: str = flag("none | fp8: the tower's linear layers as FP8 (e4m3) products with per-channel weight "
+                             "and per-token activation scales, refused at load if its outputs fall below the "
+                             "agreement bar with the unquantized tower (default none)", default="none",
+                             pattern="^(none|fp8)$")
     served_model_name: str | None = flag("model name reported by the API (default: --model)", default=None)
     max_batch_tokens: int = flag("token budget of the largest batch and graph (default 16384)", default=16384, ge=1)
     budgets: list[int] | None = flag("graph token budgets, separated by commas or spaces, or auto (default: powers "

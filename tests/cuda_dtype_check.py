@@ -1,13 +1,13 @@
-"""`python -m tests.cuda_dtype_check DTYPE [PRESET ...]`: every family served in DTYPE on the GPU, one JSON
-line per preset (tests/test_cuda_invariance.py runs it, one fresh process per dtype: float32's products are
-made batch-invariant before cuBLAS first runs in a process, models/blas.py).
+"""`python -m tests.cuda_dtype_check DTYPE[+fp8] [PRESET ...]`: every family served in DTYPE (its products in FP8
+with `+fp8`) on the GPU, one JSON line per preset (tests/test_cuda_invariance.py runs it, one fresh process per
+dtype: float32's products are made batch-invariant before cuBLAS first runs in a process, models/blas.py).
 
 For each preset: load, capture the graphs of two budgets, pass the start-up self-check, then
 - batch invariance: a target image's bytes alone, batched with 1, 7 and 31 others of mixed sizes (in the
   graph that holds them all and in the largest budget of its class), and eagerly alone and batched; a
   video's alone, beside other videos and eagerly;
 - accuracy: the target against the same weights in float32 (dense SDPA), within 1e-2 or twice the eager
-  forward's own error in this dtype.
+  forward's own error in this dtype, and its mean cosine similarity per output row.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 from graphs.packing import Batch
+from graphs.precision import quantize_with_gate
 from graphs.runner import GraphRunner, plan_for
 from graphs.self_check import OK, self_check
 from models import VisualInput, load_tower
 from models.families import FAMILIES
 from models.presets import PRESETS
+from models.quantization import cosine_per_row
 
 DEV = torch.device("cuda")
 
@@ -43,12 +45,19 @@ def make(tower, grid, modality, rng) -> VisualInput:
 
 
 def check(name: str, dtype: str) -> dict:
+    """`dtype` may carry `+fp8`: the tower quantized (graphs/precision.py), measured against its float32 self."""
+    dtype, _, quantization = dtype.partition("+")
     tower = load_tower(name, device="cuda", dtype=dtype)
-    plan = plan_for(tower, max_batch_tokens=2048, budgets=[256, 2048])
     video = FAMILIES[tower.family].video
+    exact = None
+    if quantization:
+        exact = copy.deepcopy(tower).float()
+        tower.quantization = quantize_with_gate(tower, DEV, video)
+    plan = plan_for(tower, max_batch_tokens=2048, budgets=[256, 2048])
     runner = GraphRunner(tower, DEV, plan, modalities=("image", "video") if video else ("image",))
     runner.capture()
-    report: dict = {"preset": name, "dtype": dtype, "backend": tower.backend, "failed_keys": len(runner.pool.failed)}
+    report: dict = {"preset": name, "dtype": dtype, "quantization": getattr(tower, "quantization", None),
+                    "backend": tower.backend, "failed_keys": len(runner.pool.failed)}
     report["self_check"] = self_check(runner)
     m, rng = tower.merge, np.random.default_rng(0)
     target = make(tower, (1, 8 * m, 10 * m), "image", rng)
@@ -87,12 +96,13 @@ def check(name: str, dtype: str) -> dict:
         if not torch.equal(rows(runner.run_batch(Batch(None, [0], reason="padding"), clips[:1])[0]), solo):
             differs.append("video eager")
     report["differs"] = differs
-    exact = copy.deepcopy(tower).float()
+    exact = exact if exact is not None else copy.deepcopy(tower).float()
     exact.reset_buffers()
     exact.set_attention("sdpa")
     ref = GraphRunner(exact, DEV, plan, use_graphs=False).eager(target.pixels, [target.grid_thw]).embeds
     eager_err = rel_err(runner.eager(target.pixels, [target.grid_thw]).embeds, ref)
     report["error"], report["eager_error"] = rel_err(alone[:, :tower.out_hidden_size], ref), eager_err
+    report["cosine"] = cosine_per_row(alone[:, :tower.out_hidden_size], ref).mean().item()
     report["bound"] = max(1e-2, 2 * eager_err) if dtype != "float32" else 1e-4
     report["ok"] = (not differs and report["error"] <= report["bound"]
                     and all(r == OK for r in report["self_check"].values()) and not runner.pool.failed)

@@ -24,7 +24,8 @@ FULL = ["random:qwen2-vl-7b", "random:qwen2.5-vl-7b", "random:qwen3-vl-8b", "ran
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 # In fp16 and fp32 the full-size towers are the four every family is built from (the others differ from
 # them in wiring, which their tiny presets check in every dtype).
-PRESETS_BY_DTYPE = {"bfloat16": FULL + TINY, "float16": FULL[:4] + TINY, "float32": FULL[:4] + TINY}
+PRESETS_BY_DTYPE = {"bfloat16": FULL + TINY, "float16": FULL[:4] + TINY, "float32": FULL[:4] + TINY,
+                    "bfloat16+fp8": FULL[:4] + TINY}  # --quantization fp8 (graphs/precision.py)
 
 
 def child_env() -> dict[str, str]:

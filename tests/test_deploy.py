@@ -604,6 +604,7 @@ def test_every_serve_flag_reachable_from_values(
     assert env["VITSERVE_BUDGETS"]["value"] == "4096,8192,16384,32768"
     assert env["VITSERVE_ALLOWED_HOSTS"]["value"] == "images.example.com,cdn.example.com"
     assert env["VITSERVE_EAGER"]["value"] == "true"
+    assert env["VITSERVE_QUANTIZATION"]["value"] == "fp8"
     assert env["VITSERVE_MODEL"]["value"] == "/models/Qwen2.5-VL-7B-Instruct"
     assert container["args"] == ["--log-level", "debug"]
     assert {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"} in container["env"]
@@ -623,6 +624,7 @@ def test_default_env_leaves_unset_flags_to_the_server(rendered: dict[str, list[d
         "VITSERVE_MAX_QUEUED_TOKENS",
         "VITSERVE_ALLOWED_HOSTS",
         "VITSERVE_SERVED_MODEL_NAME",
+        "VITSERVE_QUANTIZATION",
     ):
         assert unset not in env
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the cuda-marked tests, then the benchmark. Logs under $OUT.
 # Use it for a GPU run of record: the figures in docs/performance.md come from it (or from `vitserve bench`).
-#   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  PROFILE="model@workload ..."  CHUNKING=model
+#   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  QUANT=fp8 (FP8 rows too)  PROFILE="model@workload ..."  CHUNKING=model
 #   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
 #   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried);
 #   HTTP_VARIANTS="label=serve flags|...": one run per variant; HTTP_CLIENTS: client processes
@@ -21,8 +21,9 @@ if [ "${HF_VIDEO:-0}" = 1 ]; then
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   python3 -c "import sys; from pathlib import Path; from service.bench.towers import run; \
-run(sys.argv[1].split(','), Path('$OUT'), only=(sys.argv[2].split(',') if sys.argv[2] else None))" \
-    "${MODELS:-random:qwen2-vl-7b,random:qwen2.5-vl-7b,random:qwen3-vl-8b}" "${ONLY:-}" 2>&1 | tee "$OUT/bench.log"
+run(sys.argv[1].split(','), Path('$OUT'), only=(sys.argv[2].split(',') if sys.argv[2] else None), \
+quantization=sys.argv[3])" "${MODELS:-random:qwen2-vl-7b,random:qwen2.5-vl-7b,random:qwen3-vl-8b}" "${ONLY:-}" \
+    "${QUANT:-none}" 2>&1 | tee "$OUT/bench.log"
 fi
 if [ -n "${PROFILE:-}" ]; then
   for spec in $PROFILE; do

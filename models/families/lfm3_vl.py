@@ -20,6 +20,7 @@ from models.config import ProcessorConfig
 from models.family import ConfigView, Dims, Family, register
 from models.kernels import linear_act
 from models.layers import RMSNorm, check_activation
+from models.patches import LinearPatches
 from models.protocol import Capacity, Grid, TowerOutput
 from models.tower import QwenTower
 
@@ -43,7 +44,9 @@ class Lfm3Tower(Renamed, QwenTower):
                          backend)
         dims = self.dims
         del self.layer_kinds, self.patch_embed, self.merger
-        self.patchifier = nn.Linear(processor.patch_dim, dims.hidden, bias=False)
+        pre = processor  # a Linear over each patch row, in the processor's own order
+        self.patchifier = LinearPatches(pre.in_channels, pre.temporal_patch_size, pre.patch_size, dims.hidden,
+                                        pre.patch_layout, pre.patch_layout, bias=False)
         self.embedding_norm = RMSNorm(dims.hidden, vision.norm_eps)
         self.kernel = vision.conv_kernel_size
         self.conv_layers = frozenset(i for i, kind in enumerate(vision.layer_types) if kind == "conv")
@@ -80,8 +83,7 @@ class Lfm3Tower(Renamed, QwenTower):
         return super().layer_segments(layer, meta, cap)
 
     def forward(self, pixels: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
-        x = self.normalize(pixels).to(self.patchifier.weight.dtype)
-        x, _ = self.run_blocks(self.embedding_norm(self.patchifier(x)), meta, cap)
+        x, _ = self.run_blocks(self.embedding_norm(self.patchifier(self.normalize(pixels))), meta, cap)
         merged = self.layer_norm(x).view(-1, self.linear_1.in_features)
         return TowerOutput(self.linear_2(linear_act(merged, self.linear_1, self.projector_act)), [])
 

@@ -310,7 +310,10 @@ def hf_outputs(out) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
 
-def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: list[str] | None = None) -> dict:
+def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: list[str] | None = None,
+        quantization: str = "none") -> dict:
+    """Each model's rows; with `quantization="fp8"` also its FP8 rows (model name + "+fp8") after its bf16 ones,
+    the floor the same bf16 one."""
     import transformers
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -325,12 +328,13 @@ def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: l
     print(json.dumps(env), flush=True)
     rows = []
     for name in models:
-        try:
-            rows += bench_model(name, peak, max_batch_tokens, only)
-        except Exception as exc:  # noqa: BLE001 - one model's failure is a row; the others still run
-            print(f"{name}: failed: {exc!r}", flush=True)
-            rows.append(dict(model=name, workload="_failed", error=repr(exc)))
-        torch.cuda.empty_cache()
+        for mode in ("none",) + ((quantization,) if quantization != "none" else ()):
+            try:
+                rows += bench_model(name, peak, max_batch_tokens, only, mode)
+            except Exception as exc:  # noqa: BLE001 - one model's failure is a row; the others still run
+                print(f"{name}: failed: {exc!r}", flush=True)
+                rows.append(dict(model=name, workload="_failed", error=repr(exc)))
+            torch.cuda.empty_cache()
     result = {"env": env, "rows": rows}
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
     print_table(rows)
@@ -338,16 +342,24 @@ def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: l
     return result
 
 
-def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] | None) -> list[dict]:
+def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] | None,
+                quantization: str = "none") -> list[dict]:
     rows = []
     tower = load_tower(name, device="cuda", dtype="bfloat16")
+    hf = hf_visual(tower)  # before quantizing: transformers' model carries the bf16 weights
+    if quantization == "fp8":
+        from graphs.precision import quantize_with_gate
+        from models.families import FAMILIES
+
+        report = quantize_with_gate(tower, torch.device("cuda"), FAMILIES[tower.family].video)
+        print(f"{name}: fp8, {report}", flush=True)
+        name = f"{name}+fp8"
     plan = plan_for(tower, max_batch_tokens=max_batch_tokens)
     graphs = GraphRunner(tower, torch.device("cuda"), plan)
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0
     eager = GraphRunner(tower, torch.device("cuda"), plan, use_graphs=False)
-    hf = hf_visual(tower)
     dims = tower_dims(tower)
     print(f"{name}: {len(graphs.pool.graphs)} graphs captured in {capture_s:.1f}s, "
           f"pool {graphs.stats.pool_bytes / 2**30:.2f} GiB, failures {len(graphs.pool.failed)}", flush=True)

@@ -25,6 +25,13 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     bind_device(device)
     tower = load_tower(s.model, device=s.device, dtype=s.dtype, attention=s.attention,
                        batch_invariant=s.batch_invariant)
+    from models.families import FAMILIES
+
+    video = FAMILIES[tower.family].video
+    if s.quantization == "fp8":  # before the memory budget is fitted: FP8 weights take half the room
+        from graphs.precision import quantize_with_gate
+
+        tower.quantization = quantize_with_gate(tower, device, video)
     max_tokens, budgets = s.max_batch_tokens, s.budgets
     capped = s.gpu_memory is not None and device.type == "cuda"
     if capped:
@@ -36,9 +43,7 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
             budgets = [b for b in budgets if b <= max_tokens] or [max_tokens]
     items = min(s.max_batch_items, max_tokens) if s.max_batch_items else None
     # Graphs for the modalities the family takes (an images-only tower captures no video keys).
-    from models.families import FAMILIES
-
-    modalities = ("image", "video") if FAMILIES[tower.family].video else ("image",)
+    modalities = ("image", "video") if video else ("image",)
     while True:
         plan = plan_for(tower, max_tokens, budgets, items, s.t_capture)
         runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, modalities=modalities,

@@ -63,6 +63,7 @@ def engine_info(engine: Reported) -> dict[str, Any]:
     out.update({
         "family": m.family,
         "dtype": m.dtype_name,
+        "quantization": m.quantization or {"mode": "none"},
         "device": ",".join(b.device for b in engine.backends),
         "out_hidden_size": m.out_hidden_size,
         "num_deepstack": m.num_deepstack,

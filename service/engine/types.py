@@ -192,6 +192,7 @@ class ModelInfo:
     cost: CostModel | None = None  # measured at start-up; the batcher weighs it
     uses_graphs: bool = True  # False on the CPU (fixed-shape eager runs) and with --eager
     geometry: Geometry = Geometry()  # how an item's grid maps onto segments and output rows
+    quantization: dict[str, Any] | None = None  # `--quantization fp8`: its load-time agreement figures
 
     @property
     def merge_unit(self) -> int:
@@ -222,4 +223,5 @@ class ModelInfo:
             cost=runner.cost,
             uses_graphs=cuda_graphs,
             geometry=tower.geometry,
+            quantization=getattr(tower, "quantization", None),
         )

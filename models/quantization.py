@@ -1,0 +1,136 @@
+"""FP8 (e4m3) matrix products for a tower's linear layers (`--quantization fp8`).
+
+Weights are quantized once, after loading, from the checkpoint's bf16 (or fp16/fp32) values: one scale per
+output channel (the row's largest magnitude over e4m3's largest, 448). Activations are quantized on the fly,
+one scale per row (per token), so a row's product depends on that row alone, as the batch-invariant bf16
+products do. The product is `torch._scaled_mm` (e4m3 x e4m3, float32 accumulation, the scales applied in its
+epilogue, bias added there, out in bf16, cast to the activations' dtype where that differs). Its inner and
+outer dimensions must be multiples of 16: weights are padded with zero columns and rows to match.
+
+What stays in the tower's dtype: the patch embeddings (the first product, over raw pixels), routers and
+mixture-of-experts experts (models/moe.py), attention, norms and the elementwise steps. Every other product
+goes through `linear`, whichever form its weight has: the fused q/k/v and gate/up products (their holders
+swap their fused weights, `quantize_fused`) and each remaining `nn.Linear` (swapped for `Fp8Linear`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+ALIGN = 16  # _scaled_mm's inner dimension (and output width) multiple
+MODES = ("none", "fp8")
+
+
+@dataclass
+class Fp8Weight:
+    """A [out, in] weight as e4m3 values [out, in], both padded to multiples of 16, and float32 scales [1, out]."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Fp8Weight:
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(1e-12)
+        values = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        cols, rows = -w.shape[1] % ALIGN, -w.shape[0] % ALIGN
+        if cols or rows:  # zero bytes are +0.0 in e4m3; padded output rows are cut off after the product
+            values = F.pad(values.view(torch.uint8), (0, cols, 0, rows)).view(FP8)
+            scale = F.pad(scale, (0, rows), value=1.0)
+        return cls(values.contiguous(), scale[None, :].contiguous(), w.shape[1], w.shape[0])
+
+    @property
+    def padded(self) -> bool:
+        return self.values.shape[0] != self.out_features
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight the FP8 values stand for (for tests and error figures)."""
+        return (self.values.float() * self.scale[0, :, None])[: self.out_features, : self.in_features]
+
+
+def quantize_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] -> e4m3 [rows, width] (zero columns past k) and float32 scales [rows, 1]: each row over its
+    own largest magnitude, so a row's values do not depend on the other rows."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    values = (xf / scale).clamp(-FP8_MAX, FP8_MAX)
+    if width != x.shape[1]:
+        values = F.pad(values, (0, width - x.shape[1]))
+    return values.to(FP8), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    values, scale = quantize_rows(rows, weight.values.shape[1])
+    if bias is not None and weight.padded:
+        bias = F.pad(bias, (0, weight.values.shape[0] - weight.out_features))
+    # bf16 out: the only output CUDA's row-wise scaled kernels write (an fp16 or fp32 tower casts it back)
+    out = torch._scaled_mm(values, weight.values.t(), scale_a=scale, scale_b=weight.scale,
+                           bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+    if weight.padded:
+        out = out[:, : weight.out_features]
+    return out.to(x.dtype).reshape(*shape[:-1], weight.out_features)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the FP8 product when the weight was quantized."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Fp8Linear(nn.Module):
+    """An nn.Linear's product in FP8; the bias stays in the tower's dtype."""
+
+    def __init__(self, source: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.weight = Fp8Weight.quantize(source.weight)
+        self.bias = None if source.bias is None else nn.Parameter(source.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"
+
+
+def quantize_tower(tower: nn.Module) -> int:
+    """Put the tower's products in FP8 (see the module docstring); returns how many products were quantized.
+
+    A holder of fused products (a `fused` tuple and `fused_parts`) gets the weights at its `FUSED_WEIGHTS`
+    positions quantized, and its parts' own bf16 storage released (a quantized tower is for serving: it is not
+    fused or saved again); every other `nn.Linear` becomes an `Fp8Linear`."""
+    from models.moe import SparseMoe
+    from models.patches import Conv2dPatches, LinearPatches
+
+    keep: set[int] = set()
+    count = 0
+    for module in tower.modules():
+        if isinstance(module, (SparseMoe, Conv2dPatches, LinearPatches)):
+            keep.update(id(m) for m in module.modules())
+        elif id(module) not in keep and getattr(module, "fused", None) is not None and hasattr(module, "fused_parts"):
+            positions = getattr(module, "FUSED_WEIGHTS", (0,))
+            module.fused = tuple(Fp8Weight.quantize(v) if i in positions else v for i, v in enumerate(module.fused))
+            count += len(positions)
+            for part in module.fused_parts():
+                keep.add(id(part))
+                part.weight.data = part.weight.data.new_empty(0)
+    swaps = [(parent, name, child) for parent in tower.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear and id(child) not in keep]
+    for parent, name, child in swaps:
+        setattr(parent, name, Fp8Linear(child))
+    return count + len(swaps)
+
+
+def cosine_per_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-12)

@@ -1,0 +1,135 @@
+"""`--quantization fp8` on the CPU (torch's `_scaled_mm` runs there too): the FP8 product against the float
+product it approximates, every family's tower quantized and passing the load-time agreement bar, a refusal with
+its figures, and the flag through `vitserve serve` and `vitserve encode`. The GPU's speed and accuracy against
+float32 are `vitserve bench`'s to measure."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphs.precision import QuantizationRefused, quantize_with_gate
+from models import load_tower
+from models.families import FAMILIES
+from models.moe import SparseMoe
+from models.patches import Conv2dPatches, LinearPatches
+from models.presets import PRESETS
+from models.quantization import FP8, Fp8Linear, Fp8Weight, fp8_linear, quantize_rows, quantize_tower
+from tests.http_helpers import ServerThread, settings
+from tests.test_cli import SAMPLE
+
+TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
+ROOT = SAMPLE.parents[2]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (40, 36), (3420, 1280), (17, 588)])
+def test_weights_pad_to_16_and_dequantize_within_e4m3_rounding(shape):
+    """e4m3 keeps 3 mantissa bits: each value within 2**-4 of itself, relative to its row's scale."""
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * torch.rand(shape[0], 1) * 3  # rows of different magnitudes
+    q = Fp8Weight.quantize(w)
+    assert q.values.dtype == FP8 and q.values.shape[0] % 16 == 0 and q.values.shape[1] % 16 == 0
+    assert (q.in_features, q.out_features) == (shape[1], shape[0])
+    assert q.values[shape[0]:].float().abs().sum() == 0 and q.values[:, shape[1]:].float().abs().sum() == 0
+    step = q.scale[0, : shape[0], None] * 448 * 2.0**-4
+    assert ((q.dequantize() - w).abs() <= step).all()
+
+
+def test_activation_rows_take_their_own_scales():
+    """A row's FP8 values and scale do not depend on the rows beside it."""
+    torch.manual_seed(1)
+    x = torch.randn(9, 40, dtype=torch.bfloat16)
+    x[3] *= 1000  # one loud row
+    values, scale = quantize_rows(x, 48)
+    alone, alone_scale = quantize_rows(x[5:6], 48)
+    assert torch.equal(values[5:6].view(torch.uint8), alone.view(torch.uint8)) and torch.equal(scale[5:6], alone_scale)
+    assert values.shape == (9, 48) and values[:, 40:].float().abs().sum() == 0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp8_linear_is_the_product_of_the_quantized_operands(bias):
+    """The float product of the dequantized operands (float32 accumulation), up to the bf16 output's rounding, and
+    within e4m3's error of the full-precision product."""
+    torch.manual_seed(2)
+    lin = nn.Linear(72, 40, bias=bias)
+    x = torch.randn(11, 72)
+    q = Fp8Weight.quantize(lin.weight)
+    got = fp8_linear(x, q, lin.bias)
+    values, scale = quantize_rows(x, q.values.shape[1])
+    exact = F.linear(values.float()[:, :72] * scale, q.dequantize(), lin.bias)
+    assert got.shape == (11, 40) and got.dtype == x.dtype and rel_err(got, exact) < 4e-3
+    assert rel_err(got, lin(x)) < 0.08
+    module = Fp8Linear(lin)
+    assert torch.equal(module(x), got) and "fp8" in repr(module)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_every_family_quantizes_and_passes_the_bar(name):
+    """Every product but the patch embeddings, routers and experts becomes FP8; the tower still agrees with its
+    unquantized self at the load-time bar, on images and, where the family takes them, videos."""
+    tower = load_tower(name, device="cpu", dtype="bfloat16")
+    report = quantize_with_gate(tower, torch.device("cpu"), FAMILIES[tower.family].video)
+    assert report["mode"] == "fp8" and report["products"] > 0
+    assert report["mean_cosine"] >= 0.995 and report["worst_cosine"] >= 0.99
+    kept = set()
+    for module in tower.modules():
+        if isinstance(module, (SparseMoe, Conv2dPatches, LinearPatches)):
+            kept.update(id(m) for m in module.modules())
+    left = [n for n, m in tower.named_modules() if type(m) is nn.Linear and id(m) not in kept
+            and m.weight.numel() > 0]
+    assert left == [], left  # an unquantized product would make the figures look better than FP8 is
+    assert sum(isinstance(m, Fp8Linear) for m in tower.modules()) > 0
+
+
+def test_a_tower_below_the_bar_is_refused_with_its_figures():
+    tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="bfloat16")
+    with pytest.raises(QuantizationRefused, match=r"mean cosine of 0\.99\d+ \(worst 0\.99\d+, image \[1, \d+, \d+\]\)"):
+        quantize_with_gate(tower, torch.device("cpu"), video=True, mean_bar=0.99999)
+
+
+def test_quantize_tower_counts_fused_products_once():
+    """Fused q/k/v and gate/up holders quantize their fused weight and release their parts' bf16 storage."""
+    tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="bfloat16")
+    linears = sum(type(m) is nn.Linear for m in tower.modules())
+    count = quantize_tower(tower)
+    mlps = [m for m in tower.modules() if hasattr(m, "gate_proj")]
+    assert mlps and all(isinstance(m.fused[0], Fp8Weight) and isinstance(m.fused[2], Fp8Weight) for m in mlps)
+    assert all(m.gate_proj.weight.numel() == 0 for m in mlps)
+    assert 0 < count < linears  # a fused gate/up is one product for two Linears
+
+
+def test_serve_reports_the_quantization_and_encodes():
+    body = {"items": [{"type": "image", "image": base64.b64encode(SAMPLE.read_bytes()).decode()}]}
+    infos, answers = {}, {}
+    for mode in ("none", "fp8"):
+        with ServerThread(settings(model="tiny-qwen2.5-vl", quantization=mode, budgets=[256, 1024])) as srv, \
+                srv.client() as c:
+            infos[mode] = c.get("/info").json()["quantization"]
+            r = c.post("/encode", json=body)
+            assert r.status_code == 200, r.text
+            answers[mode] = r.json()["data"][0]
+    assert infos["none"] == {"mode": "none"}
+    assert infos["fp8"]["mode"] == "fp8" and infos["fp8"]["products"] > 0 and infos["fp8"]["mean_cosine"] >= 0.995
+    assert answers["none"]["num_tokens"] == answers["fp8"]["num_tokens"] > 0
+
+
+def test_encode_cli_takes_the_flag(tmp_path):
+    out = tmp_path / "out.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "encode", "--model", "tiny-qwen2.5-vl", "--device",
+                           "cpu", "--quantization", "fp8", "--stats", "-o", str(out), str(SAMPLE)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["quantization"]["mode"] == "fp8" and stats["quantization"]["worst_cosine"] >= 0.99
+    assert out.stat().st_size > 0
