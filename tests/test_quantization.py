@@ -6,6 +6,7 @@ float32 are `vitserve bench`'s to measure."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,12 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs.precision import QuantizationRefused, quantize_with_gate
+from graphs.runner import GraphRunner, plan_for
 from models import load_tower
 from models.families import FAMILIES
 from models.moe import SparseMoe
 from models.patches import Conv2dPatches, LinearPatches
 from models.presets import PRESETS
 from models.quantization import FP8, Fp8Linear, Fp8Weight, fp8_linear, quantize_rows, quantize_tower
+from service.engine.types import ModelInfo
+from service.handoff.content_id import model_identity
+from service.handoff.pipeline import Handoff
 from tests.http_helpers import ServerThread, settings
 from tests.test_cli import SAMPLE
 
@@ -133,3 +138,14 @@ def test_encode_cli_takes_the_flag(tmp_path):
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["quantization"]["mode"] == "fp8" and stats["quantization"]["worst_cosine"] >= 0.99
     assert out.stat().st_size > 0
+
+
+def test_fp8_outputs_get_other_content_ids():
+    """A cache or shared folder serving both must never hand FP8 rows to a bf16 client, or the reverse."""
+    tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="bfloat16")
+    plain = ModelInfo.from_runner(GraphRunner(tower, torch.device("cpu"), plan_for(tower, 256), use_graphs=False))
+    fp8 = dataclasses.replace(plain, quantization={"mode": "fp8", "mean_cosine": 0.999})
+    handoff = Handoff.__new__(Handoff)
+    handoff.settings = settings(model="tiny-qwen2.5-vl")
+    ids = {model_identity(handoff.identity_parts(m)) for m in (plain, fp8)}
+    assert len(ids) == 2

@@ -76,9 +76,11 @@ class Handoff:
 
     # ---- identity ----------------------------------------------------------------------------
     def identity_parts(self, model: ModelInfo) -> dict[str, Any]:
-        """Everything about the served model that changes an output: checkpoint, dtype, device kind, the
-        preprocessing defaults, and this server's version (its preprocessing and towers)."""
+        """Everything about the served model that changes an output: checkpoint, dtype, FP8 products, device kind,
+        the preprocessing defaults, and this server's version (its preprocessing and towers)."""
+        quantized = {"quantization": model.quantization["mode"]} if model.quantization else {}
         return {
+            **quantized,
             "vitserve": VERSION,
             "checkpoint": checkpoint_fingerprint(self.settings.model),
             "family": model.family,
