@@ -27,7 +27,7 @@ from models.quantization import FP8, Fp8Linear, Fp8Weight, fp8_linear, quantize_
 from service.engine.types import ModelInfo
 from service.handoff.content_id import model_identity
 from service.handoff.pipeline import Handoff
-from tests.http_helpers import ServerThread, settings
+from tests.http_helpers import ServerThread, SubprocessServer, settings
 from tests.test_cli import SAMPLE
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
@@ -101,6 +101,14 @@ def test_a_tower_below_the_bar_is_refused_with_its_figures():
     tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="bfloat16")
     with pytest.raises(QuantizationRefused, match=r"mean cosine of 0\.99\d+ \(worst 0\.99\d+, image \[1, \d+, \d+\]\)"):
         quantize_with_gate(tower, torch.device("cpu"), video=True, mean_bar=0.99999)
+
+
+def test_a_server_whose_tower_fails_the_bar_exits_1_with_the_figures():
+    server = SubprocessServer("--quantization", "fp8", env={"VITSERVE_TEST_BROKEN": "fp8_gate"},
+                              launcher="tests.hooks.broken_paths")
+    code, out = server.run_to_exit(timeout=120)
+    assert code == 1, out[-3000:]
+    assert "FP8 outputs agree with the unquantized tower's at a mean cosine of 0.99" in out, out[-3000:]
 
 
 def test_quantize_tower_counts_fused_products_once():
