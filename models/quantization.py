@@ -24,7 +24,6 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ALIGN = 16  # _scaled_mm's inner dimension (and output width) multiple
-MODES = ("none", "fp8")
 
 
 @dataclass
