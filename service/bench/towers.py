@@ -124,9 +124,35 @@ def forward_flops(d: dict, grids) -> float:
     return float(f)
 
 
-def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[], None]:
+def fp8_products(dev: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`x @ w` as the FP8 towers run it, less the activations' quantization: one `_scaled_mm` over e4m3
+    operands of the same shapes (inner and outer dimensions padded to 16), bf16 out. The e4m3 inputs are static
+    buffers of random values (a floor times the products, not what they compute)."""
+    from models.quantization import ALIGN, FP8
+
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def up(k: int) -> int:
+        return -(-k // ALIGN) * ALIGN
+
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        k, n = up(w.shape[0]), up(w.shape[1])
+        if id(w) not in weights:
+            weights[id(w)] = (torch.randn(n, k, device=dev).to(FP8).t(), torch.ones(1, n, device=dev))
+        if (x.shape[0], k) not in inputs:
+            inputs[(x.shape[0], k)] = (torch.randn(x.shape[0], k, device=dev).to(FP8),
+                                       torch.ones(x.shape[0], 1, device=dev))
+        (wq, sb), (xq, sa) = weights[id(w)], inputs[(x.shape[0], k)]
+        return torch._scaled_mm(xq, wq, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)[:, : w.shape[1]]
+
+    return product
+
+
+def floor_graph(d: dict, grids, tower, attention: str = "varlen", fp8: bool = False) -> Callable[[], None]:
     """Only the GEMMs and attention calls (backend `attention`, see models/attention.py) of the tower
-    for these shapes, as one CUDA graph."""
+    for these shapes, as one CUDA graph; with `fp8`, the products after the patch embedding in FP8
+    (`fp8_products`), as `--quantization fp8` runs them."""
     from models.attention import packed_attention
 
     n = sum(t * h * w for t, h, w in grids)
@@ -134,6 +160,7 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
     kv = h * kv_heads // heads
     dt, dev = torch.bfloat16, "cuda"
     w = lambda a, b: torch.randn(a, b, device=dev, dtype=dt) * 0.02  # noqa: E731
+    mm = fp8_products(dev) if fp8 else torch.matmul
     w_embed, w_qkv, w_o = w(d["cin"], h), w(h, h + 2 * kv), w(h, h)
     w_up, w_down = w(h, (2 if d["gated"] else 1) * d["inter"]), w(d["inter"], h)
     w_merger = [[w(a, b) for a, b in chain] for chain in d["merger"]]
@@ -146,24 +173,24 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen") -> Callable[[]
     def forward():
         x = x0 @ w_embed
         for layer in range(d["depth"]):
-            rows = (x @ w_qkv).view(n, heads + 2 * kv_heads, -1)
+            rows = mm(x, w_qkv).reshape(n, heads + 2 * kv_heads, -1)
             q, k, v = rows[:, :heads], rows[:, heads : heads + kv_heads], rows[:, heads + kv_heads :]
             if kv_heads != heads:  # grouped heads, expanded as the tower does
                 k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
             full = layer in d["full"]
             a = packed_attention(attention, q, k, v, cu if full else cu_w,
                                  cap.max_seqlen if full else cap.max_window_seqlen, short=not full)
-            x = x + a.reshape(n, h) @ w_o
-            m = x @ w_up
+            x = x + mm(a.reshape(n, h), w_o)
+            m = mm(x, w_up)
             if d["gated"]:
                 m = m[:, : d["inter"]] * m[:, d["inter"] :]
             else:
                 m = torch.nn.functional.gelu(m, approximate="tanh")
-            x = x + m @ w_down
+            x = x + mm(m, w_down)
         for chain in w_merger:
             y = x.view(n // d["unit"], -1)
             for wm in chain:
-                y = y[:, : wm.shape[0]] @ wm  # a gated product feeds its first half on
+                y = mm(y[:, : wm.shape[0]], wm)  # a gated product feeds its first half on
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -388,6 +415,11 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
         hit = graphs.stats.graph_items - hits0
         miss = sum(graphs.stats.eager_items.values()) - eager0
         ms_floor = cuda_time(floor_graph(dims, grids, tower))
+        fp8_floor = {}
+        if quantization == "fp8":  # the FP8 floor: FP8 products and the served attention backend
+            best_fp8 = tower.backend if tower.backend not in ("varlen", "sdpa") else "varlen"
+            ms_fp8 = cuda_time(floor_graph(dims, grids, tower, best_fp8, fp8=True))
+            fp8_floor = dict(floor_fp8_ms=round(ms_fp8, 3), over_floor_fp8=round(ms_graph / ms_fp8, 2))
         best = tower.backend if tower.backend not in ("varlen", "sdpa") else "varlen"
         ms_floor_best = ms_floor if best == "varlen" else cuda_time(floor_graph(dims, grids, tower, best))
         flops = forward_flops(dims, grids)
@@ -402,7 +434,7 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
                    patches_per_s=round(patches / ms_graph * 1e3),
                    mfu=round(flops / (ms_graph / 1e3) / (peak * 1e12), 3),
                    hf_mfu=round(flops / (ms_hf / 1e3) / (peak * 1e12), 3),
-                   hit_rate=round(hit / max(hit + miss, 1), 3))
+                   hit_rate=round(hit / max(hit + miss, 1), 3), **fp8_floor)
         rows.append(row)
         print(json.dumps(row), flush=True)
     rows.append(dict(model=name, workload="_capture", graphs=len(graphs.pool.graphs),
