@@ -42,6 +42,8 @@ class SparseMoe(nn.Module):
     other experts.
     """
 
+    keeps_precision = True  # --quantization fp8 leaves the router and the stacked experts as they are
+
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int, act: str, scaling: float = 1.0,
                  expert_names: dict[str, str] | None = None, bias: bool = False) -> None:
         super().__init__()

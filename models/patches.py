@@ -35,6 +35,8 @@ def columns_in_row_order(weight: torch.Tensor, weight_layout: str, row_layout: s
 class _RowProduct:
     """What both patch embeddings share: the weight as a [out, row width] matrix in the rows' order."""
 
+    keeps_precision = True  # the first product, over raw pixels: --quantization fp8 leaves it as it is
+
     weight: torch.Tensor
     bias: torch.Tensor | None
     rows: str

@@ -8,7 +8,8 @@ epilogue, bias added there, out in bf16, cast to the activations' dtype where th
 outer dimensions must be multiples of 16: weights are padded with zero columns and rows to match.
 
 What stays in the tower's dtype: the patch embeddings (the first product, over raw pixels), routers and
-mixture-of-experts experts (models/moe.py), attention, norms and the elementwise steps. Every other product
+mixture-of-experts experts (models/moe.py), each marked `keeps_precision`, attention, norms and the
+elementwise steps. Every other product
 goes through `linear`, whichever form its weight has: the fused q/k/v and gate/up products (their holders
 swap their fused weights, `quantize_fused`) and each remaining `nn.Linear` (swapped for `Fp8Linear`).
 """
@@ -111,13 +112,10 @@ def quantize_tower(tower: nn.Module) -> int:
     A holder of fused products (a `fused` tuple and `fused_parts`) gets the weights at its `FUSED_WEIGHTS`
     positions quantized, and its parts' own bf16 storage released (a quantized tower is for serving: it is not
     fused or saved again); every other `nn.Linear` becomes an `Fp8Linear`."""
-    from models.moe import SparseMoe
-    from models.patches import Conv2dPatches, LinearPatches
-
     keep: set[int] = set()
     count = 0
     for module in tower.modules():
-        if isinstance(module, (SparseMoe, Conv2dPatches, LinearPatches)):
+        if getattr(module, "keeps_precision", False):  # patch embeddings, mixtures of experts
             keep.update(id(m) for m in module.modules())
         elif id(module) not in keep and getattr(module, "fused", None) is not None and hasattr(module, "fused_parts"):
             positions = getattr(module, "FUSED_WEIGHTS", (0,))

@@ -72,6 +72,13 @@ class TowerBase(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    def fuse_parts(self) -> None:
+        """After the weights are in place: every part that keeps a fused or reordered copy of its weights
+        (q/k/v, gate/up, patch embeddings, merging convolutions) makes it."""
+        for module in self.modules():
+            if module is not self and callable(getattr(module, "fuse", None)):
+                module.fuse()
+
 
 class QwenTower(TowerBase):
     """One tower of `family` built from its vision config. Parameter names follow the checkpoints
@@ -141,9 +148,7 @@ class QwenTower(TowerBase):
         by building on the meta device, and the fused projections."""
         self.normalize.reset()
         self.rotary.reset()
-        for module in self.modules():  # q/k/v, gate/up, patch embeddings, merging convolutions
-            if module is not self and callable(getattr(module, "fuse", None)):
-                module.fuse()
+        self.fuse_parts()
 
     def set_attention(self, backend: str) -> None:
         """Serve every attention layer with `backend` (see models/attention.py)."""

@@ -110,8 +110,7 @@ class ViTTower(TowerBase):
         for module in self.modules():
             if isinstance(module, (Normalize, Rotary2D)):
                 module.reset()
-            elif module is not self and callable(getattr(module, "fuse", None)):  # q/k/v, merging convolutions
-                module.fuse()
+        self.fuse_parts()
 
     def set_attention(self, backend: str) -> None:
         self.backend = backend

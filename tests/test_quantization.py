@@ -29,13 +29,10 @@ from service.handoff.content_id import model_identity
 from service.handoff.pipeline import Handoff
 from tests.http_helpers import ServerThread, SubprocessServer, settings
 from tests.test_cli import SAMPLE
+from tests.test_towers import rel_err
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
 ROOT = SAMPLE.parents[2]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (40, 36), (3420, 1280), (17, 588)])
