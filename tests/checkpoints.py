@@ -283,13 +283,18 @@ def write_glm5_next_folder(preset_name: str, folder: Path) -> Path:
     written = json.loads((folder / "config.json").read_text())
     del written["text_config"]["index_topk"]
     (folder / "config.json").write_text(json.dumps(written, indent=2))
+    write_glm5_processor_configs(folder, preset)
+    return folder
+
+
+def write_glm5_processor_configs(folder: Path, preset) -> None:
+    """GLM-5.3-Flash's image and video processor configs, naming transformers' classes as its release does."""
     image = {**preset.preprocessor, "image_processor_type": "Glm5NextImageProcessor",
              "processor_class": "Glm5NextProcessor"}
     video = {**preset.video_preprocessor, "video_processor_type": "Glm5NextVideoProcessor",
              "processor_class": "Glm5NextProcessor"}
     (folder / "preprocessor_config.json").write_text(json.dumps(image))
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
-    return folder
 
 
 # ---- what SGLang's language side needs for MiniMax-M3 -----------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.presets import PRESETS, full_config
-from tests.checkpoints import CLASSES
+from tests.checkpoints import CLASSES, write_glm5_processor_configs
 from tests.test_vllm_handoff import VLLM_DTYPE, encode_three_ways, reference, run_driver, vllm_python
 from tests.test_vllm_handoff_glm import GLM_TOKENS, MEDIA, media_parts, write_vllm_glm_folder
 
@@ -66,12 +66,7 @@ def write_glm5_folder(folder: Path, name: str) -> Path:
     )
     cfg.architectures = [CLASSES[preset.family]]
     cfg.save_pretrained(folder)
-    image = {**preset.preprocessor, "image_processor_type": "Glm5NextImageProcessor",
-             "processor_class": "Glm5NextProcessor"}
-    video = {**preset.video_preprocessor, "video_processor_type": "Glm5NextVideoProcessor",
-             "processor_class": "Glm5NextProcessor"}
-    (folder / "preprocessor_config.json").write_text(json.dumps(image))
-    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    write_glm5_processor_configs(folder, preset)
     return folder
 
 
