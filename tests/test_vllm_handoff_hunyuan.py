@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from models.families import FAMILIES
 from models.presets import PRESETS
+from tests.checkpoints import byte_tokenizer
 from tests.http_helpers import image_bytes
 from tests.test_vllm_handoff import VLLM_DTYPE, encode_three_ways, reference, run_driver, vllm_python
 
@@ -43,23 +44,15 @@ def write_vllm_hunyuan_folder(folder: Path) -> Path:
     """What vLLM's config, tokenizer and HunYuanVLProcessor load without a hub: the whole model's config (text
     width = the tower's output width), the image processor's config naming the processor class, and a byte-level
     tokenizer whose named special tokens are the image, begin and end tokens. No weights."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[NAME]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in TOKENS}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    ids = byte_tokenizer(folder, TOKENS, {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<pad>",
-        "model_max_length": 8192, "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHAT_TEMPLATE,
         "extra_special_tokens": {"image_token": "<img>", "image_start_token": "<img_start>",
-                                 "image_end_token": "<img_end>"}}))
+                                 "image_end_token": "<img_end>"}})
     width = preset.text["hidden_size"]
     text = dict(hidden_size=width, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=width // 4, vocab_size=512, max_position_embeddings=8192,

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from models.families import FAMILIES
 from models.presets import PRESETS
+from tests.checkpoints import byte_tokenizer
 from tests.http_helpers import image_bytes
 from tests.test_vllm_handoff import VLLM_DTYPE, encode_three_ways, reference, run_driver, vllm_python
 
@@ -42,22 +43,14 @@ def write_vllm_paddleocr_folder(folder: Path) -> Path:
     """A folder vLLM's config, tokenizer and PaddleOCR-VL processor load without a hub: the whole model's config
     (text width = the projector's output), the processor config naming PaddleOCR-VL's processor classes, and a
     byte-level tokenizer naming its image token. No weights: vLLM builds its model with dummy ones."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[NAME]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in TOKENS}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    ids = byte_tokenizer(folder, TOKENS, {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-        "model_max_length": 8192, "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": {"image_token": "<|IMAGE_PLACEHOLDER|>"}}))
+        "chat_template": CHAT_TEMPLATE,
+        "extra_special_tokens": {"image_token": "<|IMAGE_PLACEHOLDER|>"}})
     vision = dict(preset.vision)
     out_hidden = vision.pop("out_hidden_size")
     head_dim = out_hidden // 4

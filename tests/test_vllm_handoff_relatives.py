@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.presets import PRESETS, full_config
-from tests.checkpoints import CLASSES, write_glm5_processor_configs
+from tests.checkpoints import CLASSES, byte_tokenizer, write_glm5_processor_configs
 from tests.test_vllm_handoff import VLLM_DTYPE, encode_three_ways, reference, run_driver, vllm_python
 from tests.test_vllm_handoff_glm import GLM_TOKENS, MEDIA, media_parts, write_vllm_glm_folder
 
@@ -74,22 +74,14 @@ def write_hcx_folder(folder: Path, name: str) -> Path:
     """HyperCLOVAX's folder for vLLM: the whole model's config under the architecture vLLM registers
     (HCXVisionV2ForCausalLM) with the language model as wide as the projection (full_config's 64), Qwen2-VL's
     image and video processors and a byte-level tokenizer holding its media tokens. No weights."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[name]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HCX_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in HCX_TOKENS}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    ids = byte_tokenizer(folder, HCX_TOKENS, {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "model_max_length": 8192, "chat_template": HCX_CHAT_TEMPLATE,
-        "extra_special_tokens": {"image_token": "<|IMAGE_PAD|>", "video_token": "<|VIDEO_PAD|>"}}))
+        "chat_template": HCX_CHAT_TEMPLATE,
+        "extra_special_tokens": {"image_token": "<|IMAGE_PAD|>", "video_token": "<|VIDEO_PAD|>"}})
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192,
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
