@@ -23,7 +23,7 @@ from torch import nn
 
 log = logging.getLogger("vitserve.models")
 
-KERNELS = ("rotary", "act", "add_norm", "gelu_epilogue")
+KERNELS = ("rotary", "act", "add_norm", "gelu_epilogue", "fp8_rows")
 _enabled: set[str] = set()
 
 # Activation codes shared by the Triton kernel and the torch fallbacks.
@@ -94,6 +94,19 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
             if HAS_BIAS:
                 y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _fp8_rows(x_ptr, out_ptr, scale_ptr, n_cols, width, x_row_stride, INV_FP8_MAX: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        """out[r] = e4m3(x[r] * (1 / s[r])) with s[r] = max|x[r]| * (1 / 448) (zero columns from n_cols to
+        width): the torch path's float32 arithmetic (an IEEE reciprocal, one rounding to e4m3) in one pass."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, 1e-12)
+        y = x * tl.math.div_rn(1.0, scale)
+        tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=cols < width)
+        tl.store(scale_ptr + row, scale)
 
     _HAVE_TRITON = True
 except Exception:  # noqa: BLE001 - any import problem just means the torch path
@@ -232,6 +245,46 @@ def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tu
     return add_norm_torch(x, delta, norm)
 
 
+# ---- FP8 activations (models/quantization.py) -------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+INV_FP8_MAX = 1 / FP8_MAX  # a multiplication, which torch's division by a scalar on CUDA is too
+
+
+def fp8_rows_torch(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] -> e4m3 [rows, width] (zero columns past k) and float32 scales [rows, 1]: each row over its
+    own largest magnitude, so a row's values do not depend on the other rows."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).float()
+    scale = (amax * INV_FP8_MAX).clamp_min(1e-12)
+    values = x * scale.reciprocal()  # float32: a value at most 448 by a rounding rounds to 448 (no clamp needed)
+    if width != x.shape[1]:
+        values = F.pad(values, (0, width - x.shape[1]))
+    return values.to(FP8), scale
+
+
+def fp8_rows_triton(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    values = torch.empty((rows, width), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _fp8_rows[(rows,)](x, values, scale, cols, width, x.stride(0), INV_FP8_MAX=INV_FP8_MAX,
+                           BLOCK=triton.next_power_of_2(width))
+    return values, scale
+
+
+def fp8_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token) e4m3 values of x, padded to `width` columns, and their scales (see `fp8_rows_torch`)."""
+    if _use("fp8_rows", x) and x.dim() == 2 and x.stride(1) == 1:
+        return fp8_rows_triton(x, width)
+    return fp8_rows_torch(x, width)
+
+
+def has_fp8(device: torch.device) -> bool:
+    """FP8 tensor-core products (and Triton's e4m3 casts): compute capability 8.9 or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 # ---- enabling ---------------------------------------------------------------------------------------
 
 
@@ -278,11 +331,24 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
             fused = torch._addmm_activation(fc.bias, x, fc.weight.t(), use_gelu=True)
             return _rel(fused, act_torch(fc(x), "gelu_pytorch_tanh"))
 
-    checks = {"rotary": rotary, "act": act, "add_norm": add_norm_, "gelu_epilogue": gelu_epilogue}
+    def fp8_rows_() -> float:
+        """Bytes that differ (the kernel repeats the torch path's arithmetic), and the scales' difference."""
+        x = randn(37, 1000) * 3
+        x[5] = 0  # a row of zeros takes the smallest scale
+        (v1, s1), (v2, s2) = fp8_rows_triton(x, 1008), fp8_rows_torch(x, 1008)
+        differ = (v1.view(torch.uint8) != v2.view(torch.uint8)).float().mean().item()
+        if differ or not torch.equal(s1, s2):
+            log.info("fp8_rows: %.2e of the bytes differ, scales %.2e apart", differ, _rel(s1, s2))
+        return max(differ, _rel(s1, s2))
+
+    checks = {"rotary": rotary, "act": act, "add_norm": add_norm_, "gelu_epilogue": gelu_epilogue,
+              "fp8_rows": fp8_rows_}
     errors: dict[str, float] = {}
     for name, check in checks.items():
         if name == "gelu_epilogue" and device.type != "cuda":
             continue  # a cuBLASLt epilogue: nothing to check elsewhere
+        if name == "fp8_rows" and device.type == "cuda" and not has_fp8(device):
+            continue  # no e4m3 here: nothing is quantized
         try:
             errors[name] = check()
         except Exception as exc:  # noqa: BLE001 - no compiler, no driver support: keep the torch path
@@ -314,4 +380,4 @@ def enable_triton(device: torch.device) -> bool:
     set_enabled({name for name, err in errors.items() if err < 1e-2})
     states = (f"{n} {'on' if n in _enabled else 'OFF'} ({e:.1e})" for n, e in errors.items())
     log.info("fused kernels (relative difference to torch): %s", ", ".join(states))
-    return _enabled == set(KERNELS)
+    return _enabled == set(errors)

@@ -2,16 +2,18 @@
 
 Weights are quantized once, after loading, from the checkpoint's bf16 (or fp16/fp32) values: one scale per
 output channel (the row's largest magnitude over e4m3's largest, 448). Activations are quantized on the fly,
-one scale per row (per token), so a row's product depends on that row alone, as the batch-invariant bf16
-products do. The product is `torch._scaled_mm` (e4m3 x e4m3, float32 accumulation, the scales applied in its
-epilogue, bias added there, out in bf16, cast to the activations' dtype where that differs). Its inner and
+one scale per row (per token; `models.kernels.fp8_rows`, one pass on the GPU), so a row's product depends on
+that row alone, as the batch-invariant bf16 products do. The product is `torch._scaled_mm` (e4m3 x e4m3,
+float32 accumulation, the scales applied in its epilogue, bias added there, out in bf16, cast to the
+activations' dtype where that differs). Its inner and
 outer dimensions must be multiples of 16: weights are padded with zero columns and rows to match.
 
 What stays in the tower's dtype: the patch embeddings (the first product, over raw pixels), routers and
 mixture-of-experts experts (models/moe.py), each marked `keeps_precision`, attention, norms and the
-elementwise steps. Every other product
-goes through `linear`, whichever form its weight has: the fused q/k/v and gate/up products (their holders
-swap their fused weights, `quantize_fused`) and each remaining `nn.Linear` (swapped for `Fp8Linear`).
+elementwise steps, and the products of the first blocks when the load-time gate asks for them
+(graphs/precision.py). Every other product goes through `linear`, whichever form its weight has: the fused
+q/k/v and gate/up products (their holders swap their fused weights) and each remaining `nn.Linear` (swapped
+for `Fp8Linear`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from models.kernels import FP8, FP8_MAX, fp8_rows
+
 ALIGN = 16  # _scaled_mm's inner dimension (and output width) multiple
 
 
@@ -56,23 +58,10 @@ class Fp8Weight:
         return (self.values.float() * self.scale[0, :, None])[: self.out_features, : self.in_features]
 
 
-def quantize_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, k] -> e4m3 [rows, width] (zero columns past k) and float32 scales [rows, 1]: each row over its
-    own largest magnitude, so a row's values do not depend on the other rows."""
-    # three passes over x: its largest magnitudes (a max-norm reads it once), the scaled float32 values, the cast
-    # (a value at most 448 by a rounding rounds to 448: no clamp needed)
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp_min(1e-12)
-    values = x * scale.reciprocal()
-    if width != x.shape[1]:
-        values = F.pad(values, (0, width - x.shape[1]))
-    return values.to(FP8), scale
-
-
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    values, scale = quantize_rows(rows, weight.values.shape[1])
+    values, scale = fp8_rows(rows, weight.values.shape[1])
     if bias is not None and weight.padded:
         bias = F.pad(bias, (0, weight.values.shape[0] - weight.out_features))
     # bf16 out: the only output CUDA's row-wise scaled kernels write (an fp16 or fp32 tower casts it back)
@@ -106,29 +95,57 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"
 
 
-def quantize_tower(tower: nn.Module) -> int:
-    """Put the tower's products in FP8 (see the module docstring); returns how many products were quantized.
+@dataclass
+class Quantized:
+    """What `quantize_tower` changed: `undo` puts the tower back as it was, `commit` releases the bf16 storage
+    the FP8 weights replaced (a quantized tower is for serving: it is not fused or saved again)."""
+
+    products: int
+    bf16_blocks: int
+    fused: list[tuple[nn.Module, tuple, list[tuple[nn.Module, torch.Tensor]]]]
+    swaps: list[tuple[nn.Module, str, nn.Linear]]
+
+    def undo(self) -> None:
+        for holder, fused, parts in self.fused:
+            holder.fused = fused
+            for part, weight in parts:
+                part.weight.data = weight
+        for parent, name, linear in self.swaps:
+            setattr(parent, name, linear)
+        self.fused, self.swaps = [], []
+
+    def commit(self) -> None:
+        for _, _, parts in self.fused:
+            for part, weight in parts:
+                part.weight.data = weight.new_empty(0)
+        self.fused, self.swaps = [], []
+
+
+def quantize_tower(tower: nn.Module, bf16_blocks: int = 0) -> Quantized:
+    """Put the tower's products in FP8 (see the module docstring), all but those of its first `bf16_blocks`
+    blocks (`block_stack()`): an error made early passes through every later block.
 
     A holder of fused products (a `fused` tuple and `fused_parts`) gets the weights at its `FUSED_WEIGHTS`
-    positions quantized, and its parts' own bf16 storage released (a quantized tower is for serving: it is not
-    fused or saved again); every other `nn.Linear` becomes an `Fp8Linear`."""
+    positions quantized; every other `nn.Linear` becomes an `Fp8Linear`."""
     keep: set[int] = set()
-    count = 0
+    for block in list(tower.block_stack())[:bf16_blocks] if bf16_blocks else ():
+        keep.update(id(m) for m in block.modules())
+    fused, count = [], 0
     for module in tower.modules():
         if getattr(module, "keeps_precision", False):  # patch embeddings, mixtures of experts
             keep.update(id(m) for m in module.modules())
         elif id(module) not in keep and getattr(module, "fused", None) is not None and hasattr(module, "fused_parts"):
             positions = getattr(module, "FUSED_WEIGHTS", (0,))
+            parts = [(part, part.weight.data) for part in module.fused_parts()]
+            fused.append((module, module.fused, parts))
             module.fused = tuple(Fp8Weight.quantize(v) if i in positions else v for i, v in enumerate(module.fused))
             count += len(positions)
-            for part in module.fused_parts():
-                keep.add(id(part))
-                part.weight.data = part.weight.data.new_empty(0)
+            keep.update(id(part) for part, _ in parts)
     swaps = [(parent, name, child) for parent in tower.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and id(child) not in keep]
     for parent, name, child in swaps:
         setattr(parent, name, Fp8Linear(child))
-    return count + len(swaps)
+    return Quantized(count + len(swaps), bf16_blocks, fused, swaps)
 
 
 def cosine_per_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

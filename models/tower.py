@@ -72,6 +72,10 @@ class TowerBase(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    def block_stack(self) -> Sequence[nn.Module]:
+        """The transformer blocks, input side first (models/quantization.py can keep the first ones in bf16)."""
+        return self.blocks
+
     def fuse_parts(self) -> None:
         """After the weights are in place: every part that keeps a fused or reordered copy of its weights
         (q/k/v, gate/up, patch embeddings, merging convolutions) makes it."""

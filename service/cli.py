@@ -254,6 +254,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: each model's FP8 rows (MODEL+fp8) after its bf16 ones; with --http, pass it in "
                         "--serve-flags")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead of timing: FP8 and bf16 against float32 for each model's items (cosine, relative "
+                        "error, DeepStack; the gate's choice of bf16 blocks); writes OUT/accuracy.jsonl")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     # HTTP load benchmark (service/bench/http.py); runs on a CPU machine too.
     p.add_argument("--http", action="store_true", help="load-test `vitserve serve` over HTTP on loopback against "
@@ -305,6 +308,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("error: vitserve bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.accuracy:
+        from service.bench.accuracy import run as run_accuracy
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        run_accuracy(args.models.split(","), args.out / "accuracy.jsonl")
+        return 0
     run(args.models.split(","), args.out, args.max_batch_tokens,
         args.workloads.split(",") if args.workloads else None, args.quantization)
     return 0

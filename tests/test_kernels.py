@@ -73,6 +73,16 @@ for dtype in (torch.float32, torch.bfloat16):
                 assert s1.shape == s2.shape and n1.shape == n2.shape
                 if rows:
                     worst["add_norm"] = max(worst.get("add_norm", 0), rel(s1, s2), rel(n1, n2))
+    for rows, cols, width in [(6, 1000, 1008), (3, 1280, 1280), (2, 3420, 3424), (0, 64, 64)]:
+        x = randn(rows, cols) * 3
+        if rows:
+            x[1] = 0  # the smallest scale, not a division by zero
+        (v, sc), (v_ref, sc_ref) = K.fp8_rows_triton(x, width), K.fp8_rows_torch(x, width)
+        assert v.shape == v_ref.shape == (rows, width) and v.dtype == K.FP8 and sc.shape == (rows, 1)
+        if rows:
+            assert torch.equal(sc, sc_ref) and not v[:, cols:].float().any()
+            worst["fp8_scale"] = max(worst.get("fp8_scale", 0), rel(sc, sc_ref))
+            worst["fp8_rows"] = max(worst.get("fp8_rows", 0), rel(v[:, :cols].float() * sc, x))
     results[name] = worst
 results["check_kernels"] = K.check_kernels(torch.device("cpu"), torch.float32)
 print(json.dumps(results))
@@ -98,10 +108,20 @@ def test_kernels_close_to_torch_in_bfloat16(interpreted: dict, kernel: str) -> N
     assert interpreted["bfloat16"][kernel] < 2e-2
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_rows_scales_exact_values_within_e4m3(interpreted: dict, dtype: str) -> None:
+    """The scales are the torch path's to the bit; the interpreter's e4m3 cast is not the GPU's rounding (the
+    GPU's load-time check asks for the same bytes), so the values are held to e4m3's own precision: a 3-bit
+    mantissa, at most 1/16 of a value off when rounded, 1/8 when truncated."""
+    assert interpreted[dtype]["fp8_scale"] == 0
+    assert interpreted[dtype]["fp8_rows"] < 0.07
+
+
 def test_load_time_check_covers_every_triton_kernel(interpreted: dict) -> None:
     errors = interpreted["check_kernels"]
-    assert set(errors) == {"rotary", "act", "add_norm"}  # gelu_epilogue is cuBLASLt: GPU only
-    assert max(errors.values()) < 1e-6
+    assert set(errors) == {"rotary", "act", "add_norm", "fp8_rows"}  # gelu_epilogue is cuBLASLt: GPU only
+    assert max(errors[k] for k in ("rotary", "act", "add_norm")) < 1e-6
+    assert errors["fp8_rows"] < 0.05  # the share of bytes that differ (see above)
 
 
 def test_torch_path_on_cpu_tensors() -> None:

@@ -16,14 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphs.precision import QuantizationRefused, quantize_with_gate
+from graphs.precision import QuantizationRefused, bf16_block_counts, gate_items, quantize_with_gate
 from graphs.runner import GraphRunner, plan_for
 from models import load_tower
 from models.families import FAMILIES
+from models.kernels import fp8_rows_torch as quantize_rows
 from models.moe import SparseMoe
 from models.patches import Conv2dPatches, LinearPatches
 from models.presets import PRESETS
-from models.quantization import FP8, Fp8Linear, Fp8Weight, fp8_linear, quantize_rows, quantize_tower
+from models.quantization import FP8, Fp8Linear, Fp8Weight, fp8_linear, quantize_tower
 from service.engine.types import ModelInfo
 from service.handoff.content_id import model_identity
 from service.handoff.pipeline import Handoff
@@ -81,8 +82,9 @@ def test_every_family_quantizes_and_passes_the_bar(name):
     """Every product but the patch embeddings, routers and experts becomes FP8; the tower still agrees with its
     unquantized self at the load-time bar, on images and, where the family takes them, videos."""
     tower = load_tower(name, device="cpu", dtype="bfloat16")
+    assert len(tower.block_stack()) == tower.dims.depth  # what the gate can keep in bf16
     report = quantize_with_gate(tower, torch.device("cpu"), FAMILIES[tower.family].video)
-    assert report["mode"] == "fp8" and report["products"] > 0
+    assert report["mode"] == "fp8" and report["products"] > 0 and report["bf16_blocks"] == 0
     assert report["mean_cosine"] >= 0.995 and report["worst_cosine"] >= 0.99
     kept = set()
     for module in tower.modules():
@@ -96,8 +98,46 @@ def test_every_family_quantizes_and_passes_the_bar(name):
 
 def test_a_tower_below_the_bar_is_refused_with_its_figures():
     tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="bfloat16")
-    with pytest.raises(QuantizationRefused, match=r"mean cosine of 0\.99\d+ \(worst 0\.99\d+, image \[1, \d+, \d+\]\)"):
+    runner = GraphRunner(tower, torch.device("cpu"), plan_for(tower, 256), use_graphs=False)
+    item = gate_items(tower, video=False)[0]
+    before = runner.eager(item.pixels, [item.grid_thw]).embeds
+    figures = r"mean cosine of 0\.99\d+ \(worst 0\.99\d+, (image|video) \[[\d, ]+\]; the first [01] blocks in bf16\)"
+    with pytest.raises(QuantizationRefused, match=figures):
         quantize_with_gate(tower, torch.device("cpu"), video=True, mean_bar=0.99999)
+    # every try undone: the tower is the unquantized one, to the byte
+    assert not any(isinstance(m, Fp8Linear) for m in tower.modules())
+    assert not any(isinstance(w, Fp8Weight) for m in tower.modules() for w in (getattr(m, "fused", None) or ()))
+    assert torch.equal(runner.eager(item.pixels, [item.grid_thw]).embeds, before)
+
+
+def test_the_gate_keeps_in_bf16_the_first_blocks_that_cost_the_bar(monkeypatch):
+    """A first block whose FP8 products go wrong (their rows reversed and scaled up here) is kept in bf16; the
+    rest pass."""
+    tower = load_tower("tiny-qwen3-vl", device="cpu", dtype="bfloat16")
+    first = tower.block_stack()[0]
+    spoiled = {p.data_ptr() for p in first.parameters()}  # fused weights start where their first part does
+    quantize = Fp8Weight.quantize.__func__
+
+    def spoil(cls, weight):
+        q = quantize(cls, weight)
+        if weight.data_ptr() in spoiled:
+            q.values, q.scale = q.values.flip(0), q.scale * 100
+        return q
+
+    monkeypatch.setattr(Fp8Weight, "quantize", classmethod(spoil))
+    report = quantize_with_gate(tower, torch.device("cpu"), video=True)
+    assert report["bf16_blocks"] == 1 and report["mean_cosine"] >= 0.995
+    assert not any(isinstance(m, Fp8Linear) for m in first.modules())
+    assert not any(isinstance(w, Fp8Weight) for m in first.modules() for w in (getattr(m, "fused", None) or ()))
+    later = [m for b in tower.block_stack()[1:] for m in b.modules()]
+    assert any(isinstance(m, Fp8Linear) for m in later)
+
+
+def test_gate_tries_up_to_half_the_blocks():
+    assert bf16_block_counts(1) == [0]
+    assert bf16_block_counts(3) == [0, 1]
+    assert bf16_block_counts(32) == [0, 1, 2, 4, 8, 16]
+    assert bf16_block_counts(27) == [0, 1, 2, 4, 8]
 
 
 def test_a_server_whose_tower_fails_the_bar_exits_1_with_the_figures():
@@ -112,7 +152,10 @@ def test_quantize_tower_counts_fused_products_once():
     """Fused q/k/v and gate/up holders quantize their fused weight and release their parts' bf16 storage."""
     tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="bfloat16")
     linears = sum(type(m) is nn.Linear for m in tower.modules())
-    count = quantize_tower(tower)
+    quantized = quantize_tower(tower)
+    assert all(m.gate_proj.weight.numel() > 0 for m in tower.modules() if hasattr(m, "gate_proj"))  # until commit
+    quantized.commit()
+    count = quantized.products
     mlps = [m for m in tower.modules() if hasattr(m, "gate_proj")]
     assert mlps and all(isinstance(m.fused[0], Fp8Weight) and isinstance(m.fused[2], Fp8Weight) for m in mlps)
     assert all(m.gate_proj.weight.numel() == 0 for m in mlps)
@@ -154,3 +197,17 @@ def test_fp8_outputs_get_other_content_ids():
     handoff.settings = settings(model="tiny-qwen2.5-vl")
     ids = {model_identity(handoff.identity_parts(m)) for m in (plain, fp8)}
     assert len(ids) == 2
+
+
+def test_the_accuracy_bench_puts_fp8_beside_bf16_against_float32():
+    """`vitserve bench --accuracy` on the CPU: each item of each shape, bf16 closer to float32 than FP8 is."""
+    from service.bench.accuracy import measure, summary
+
+    rows = measure("tiny-qwen3-vl", device="cpu")
+    items = [r for r in rows if not r["item"].startswith("_")]
+    assert [r["item"].split()[0] for r in items] == ["image", "image", "image", "video"]
+    assert all(r["fp8_cos"] < r["bf16_cos"] and r["fp8_err"] > r["bf16_err"] for r in items)
+    assert all(r["fp8_deepstack_cos"] < r["bf16_deepstack_cos"] for r in items)  # the DeepStack levels too
+    result = summary(rows)
+    assert result["fp8"]["mean_cos"] >= 0.995 and result["bf16"]["mean_cos"] > 0.9999
+    assert result["bf16_blocks"] == 0 and not result["refused"]

@@ -171,6 +171,9 @@ class KimiTower(TowerBase):
         return meta
 
     # ---- device half ----------------------------------------------------------------------
+    def block_stack(self) -> nn.ModuleList:
+        return self.encoder.blocks
+
     def forward(self, pixels: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         x = self.encoder.patch_embed(self.normalize(pixels))
         table = self.patch_embed.pos_emb.weight.flatten(0, 1)

@@ -131,6 +131,9 @@ class MuseTower(TowerBase):
         return meta
 
     # ---- device half ----------------------------------------------------------------------
+    def block_stack(self) -> nn.ModuleList:
+        return self.tower.layers
+
     def forward(self, pixels: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         tower, unit = self.tower, self.merge_unit
         x = tower.patch_embedder.patch_embedding(self.normalize(pixels))

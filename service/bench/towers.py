@@ -44,12 +44,13 @@ def workloads(patch: int, seed: int = 0) -> dict[str, list[tuple[int, int, int]]
     }
 
 
-def random_items(tower: torch.nn.Module, grids: list[tuple[int, int, int]], seed: int = 0) -> list[VisualInput]:
+def random_items(tower: torch.nn.Module, grids: list[tuple[int, int, int]], seed: int = 0,
+                 device: str = "cuda") -> list[VisualInput]:
     """Seeded uint8 patch rows on the GPU for each grid (t, h, w): a workload's inputs, the same in every run."""
     rng = np.random.default_rng(seed)
     return [VisualInput("video" if t > 1 else "image",
                         torch.from_numpy(rng.integers(0, 256, (t * h * w, tower.processor.patch_dim),
-                                                      dtype=np.uint8)).cuda(), (t, h, w))
+                                                      dtype=np.uint8)).to(device), (t, h, w))
             for t, h, w in grids]
 
 
@@ -357,7 +358,7 @@ def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: l
     for name in models:
         for mode in ("none",) + ((quantization,) if quantization != "none" else ()):
             try:
-                rows += bench_model(name, peak, max_batch_tokens, only, mode)
+                rows += bench_model(name, peak, max_batch_tokens, only, mode, baseline=rows)
             except Exception as exc:  # noqa: BLE001 - one model's failure is a row; the others still run
                 print(f"{name}: failed: {exc!r}", flush=True)
                 rows.append(dict(model=name, workload="_failed", error=repr(exc)))
@@ -370,15 +371,20 @@ def run(models: list[str], out_dir: Path, max_batch_tokens: int = 16384, only: l
 
 
 def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] | None,
-                quantization: str = "none") -> list[dict]:
+                quantization: str = "none", baseline: list[dict] = ()) -> list[dict]:
+    """One model's rows. A quantized model's rows take transformers' time from its unquantized rows in
+    `baseline` (the same bf16 reference) and add its own time against theirs (`vs_bf16`)."""
     rows = []
+    unquantized = {r["workload"]: r for r in baseline if r["model"] == name and "graph_ms" in r}
     tower = load_tower(name, device="cuda", dtype="bfloat16")
-    hf = hf_visual(tower)  # before quantizing: transformers' model carries the bf16 weights
+    # before quantizing (transformers' model carries the bf16 weights); not built where the bf16 rows give its times
+    hf = hf_visual(tower) if quantization == "none" or not unquantized else None
     if quantization == "fp8":
         from graphs.precision import quantize_with_gate
         from models.families import FAMILIES
 
-        report = quantize_with_gate(tower, torch.device("cuda"), FAMILIES[tower.family].video)
+        # every block in FP8 whatever the gate's figures (printed): the speed of a tower that passes it whole
+        report = quantize_with_gate(tower, torch.device("cuda"), FAMILIES[tower.family].video, 0.0, 0.0)
         print(f"{name}: fp8, {report}", flush=True)
         name = f"{name}+fp8"
     plan = plan_for(tower, max_batch_tokens=max_batch_tokens)
@@ -399,8 +405,9 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
         g = torch.tensor(hf_grid_thw(tower, grids), device="cuda")
         hits0 = graphs.stats.graph_items
         eager0 = sum(graphs.stats.eager_items.values())
+        before = unquantized.get(wname) if quantization != "none" else None
         with torch.inference_mode():
-            ms_hf = cuda_time(lambda: hf(x, grid_thw=g))  # noqa: B023
+            ms_hf = before["hf_ms"] if before else cuda_time(lambda: hf(x, grid_thw=g))  # noqa: B023
             ms_graph = cuda_time(lambda: graphs.encode(items))  # noqa: B023
             ms_eager = cuda_time(lambda: eager.encode(items))  # noqa: B023
             # Timed again after the eager runner: a graph row that differs from this one was disturbed
@@ -409,19 +416,22 @@ def bench_model(name: str, peak: float, max_batch_tokens: int, only: list[str] |
             fused = set(kernels._enabled)
             kernels.set_enabled(None)  # the same eager path with torch's kernels: what the fusion saves
             try:
-                ms_unfused = cuda_time(lambda: eager.encode(items))  # noqa: B023
+                ms_unfused = before["eager_unfused_ms"] if before else cuda_time(lambda: eager.encode(items))  # noqa: B023
             finally:
                 kernels.set_enabled(fused)
         hit = graphs.stats.graph_items - hits0
         miss = sum(graphs.stats.eager_items.values()) - eager0
-        ms_floor = cuda_time(floor_graph(dims, grids, tower))
+        ms_floor = before["floor_ms"] if before else cuda_time(floor_graph(dims, grids, tower))
         fp8_floor = {}
         if quantization == "fp8":  # the FP8 floor: FP8 products and the served attention backend
             best_fp8 = tower.backend if tower.backend not in ("varlen", "sdpa") else "varlen"
             ms_fp8 = cuda_time(floor_graph(dims, grids, tower, best_fp8, fp8=True))
             fp8_floor = dict(floor_fp8_ms=round(ms_fp8, 3), over_floor_fp8=round(ms_graph / ms_fp8, 2))
+            if before:
+                fp8_floor.update(bf16_graph_ms=before["graph_ms"], vs_bf16=round(ms_graph / before["graph_ms"], 3))
         best = tower.backend if tower.backend not in ("varlen", "sdpa") else "varlen"
-        ms_floor_best = ms_floor if best == "varlen" else cuda_time(floor_graph(dims, grids, tower, best))
+        ms_floor_best = before["floor_best_ms"] if before else \
+            ms_floor if best == "varlen" else cuda_time(floor_graph(dims, grids, tower, best))
         flops = forward_flops(dims, grids)
         patches = sum(t * h * w for t, h, w in grids)
         row = dict(model=name, workload=wname, patches=patches, hf_ms=round(ms_hf, 3),
@@ -528,7 +538,8 @@ def print_table(rows: list[dict]) -> None:
             continue
         print(f"{r['model']:22} {r['workload']:14} {r['hf_ms']:8.2f} {r['graph_ms']:9.2f} {r['eager_ms']:9.2f} "
               f"{r['eager_unfused_ms']:9.2f} {r['floor_ms']:9.2f} {r['floor_best_ms']:10.2f} {r['speedup_vs_hf']:6.2f} "
-              f"{r['over_floor']:7.2f} {r['over_floor_best']:6.2f} {r['mfu']:5.2f} {r['hit_rate']:5.2f}")
+              f"{r['over_floor']:7.2f} {r['over_floor_best']:6.2f} {r['mfu']:5.2f} {r['hit_rate']:5.2f}"
+              + (f"  fp8: {r['vs_bf16']:.3f}x bf16, {r['over_floor_fp8']:.2f}x its floor" if "vs_bf16" in r else ""))
 
 
 def chart(rows: list[dict], path: Path) -> None:
