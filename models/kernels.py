@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,8 @@ from torch import nn
 
 log = logging.getLogger("vitserve.models")
 
-KERNELS = ("rotary", "act", "add_norm", "gelu_epilogue", "fp8_rows")
+KERNELS = ("rotary", "act", "add_norm", "gelu_epilogue", "fp8_rows", "add_norm_fp8", "act_fp8")
+FP8_KERNELS = ("fp8_rows", "add_norm_fp8", "act_fp8")  # checked only where e4m3 exists
 _enabled: set[str] = set()
 
 # Activation codes shared by the Triton kernel and the torch fallbacks.
@@ -69,9 +72,20 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_norm_rows(x_ptr, d_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols, eps,
-                       HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr, BLOCK: tl.constexpr):
-        """sum = x + d (rounded to the stream's dtype, as the reference's add is), out = norm(sum)."""
+    def _fp8_store(y, cols, out_ptr, scale_ptr, row, width, INV_FP8_MAX: tl.constexpr):
+        """Row y (float32, zero past its columns) as e4m3 over its own scale: `_fp8_rows`' arithmetic."""
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) * INV_FP8_MAX, 1e-12)
+        q = y * tl.math.div_rn(1.0, scale)
+        tl.store(out_ptr + row * width + cols, q.to(out_ptr.dtype.element_ty), mask=cols < width)
+        tl.store(scale_ptr + row, scale)
+
+    @triton.jit
+    def _add_norm_rows(x_ptr, d_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, scale_ptr, n_cols, width, eps,
+                       HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr, FP8_OUT: tl.constexpr,
+                       INV_FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        """sum = x + d (rounded to the stream's dtype, as the reference's add is), out = norm(sum); with
+        FP8_OUT, out is norm(sum) rounded to the stream's dtype and then quantized (e4m3 [rows, width], scale
+        per row), the bytes `fp8_rows` would make of the rounded row."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -85,7 +99,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
         if RMS:
             # The reference rounds the normalised row to the input dtype before the scale.
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-            y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+            y = (x * rstd).to(sum_ptr.dtype.element_ty).to(tl.float32) * w
         else:
             mean = tl.sum(x, axis=0) / n_cols
             xc = tl.where(mask, x - mean, 0.0)
@@ -93,7 +107,32 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
             y = xc * rstd * w
             if HAS_BIAS:
                 y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if FP8_OUT:
+            rounded = tl.where(mask, y.to(sum_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            _fp8_store(rounded, cols, out_ptr, scale_ptr, row, width, INV_FP8_MAX)
+        else:
+            tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _act_fp8_rows(x_ptr, out_ptr, scale_ptr, n_cols, width, x_row_stride, up_offset, ACT: tl.constexpr,
+                      GATED: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        """`_act_rows`' row rounded to the input's dtype and quantized as `_fp8_rows` would (one pass)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        src = x_ptr + row * x_row_stride
+        x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            y = x * tl.sigmoid(1.702 * x)
+        elif ACT == 1:
+            y = x * tl.sigmoid(x)
+        else:
+            inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            y = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        if GATED:
+            y = y * tl.load(src + up_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        rounded = tl.where(mask, y.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0)
+        _fp8_store(rounded, cols, out_ptr, scale_ptr, row, width, INV_FP8_MAX)
 
     @triton.jit
     def _fp8_rows(x_ptr, out_ptr, scale_ptr, n_cols, width, x_row_stride, INV_FP8_MAX: tl.constexpr,
@@ -181,9 +220,29 @@ def act_triton(h: torch.Tensor, act: str, gated_width: int | None = None) -> tor
     return out
 
 
-def activate(h: torch.Tensor, act: str, gated_width: int | None = None) -> torch.Tensor:
-    """The MLP's activation on a [rows, width] matrix product output (see `act_torch`)."""
-    if _use("act", h) and act in ACT_CODES and h.dim() == 2 and h.stride(1) == 1:
+def act_fp8_triton(h: torch.Tensor, act: str, gated_width: int | None, width: int) -> Fp8Rows:
+    rows = h.shape[0]
+    cols = h.shape[1] if gated_width is None else gated_width
+    values = torch.empty((rows, width), dtype=FP8, device=h.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=h.device)
+    if rows:
+        _act_fp8_rows[(rows,)](h, values, scale, cols, width, h.stride(0), cols, ACT=ACT_CODES[act],
+                               GATED=gated_width is not None, INV_FP8_MAX=INV_FP8_MAX,
+                               BLOCK=triton.next_power_of_2(width))
+    return Fp8Rows(values, scale, cols, h.dtype)
+
+
+def activate(h: torch.Tensor, act: str, gated_width: int | None = None, fp8_width: int | None = None) -> Any:
+    """The MLP's activation on a [rows, width] matrix product output (see `act_torch`); with `fp8_width` (the
+    next product is FP8), as `Fp8Rows`, the same bytes `fp8_rows` makes of it."""
+    triton_ok = act in ACT_CODES and h.dim() == 2 and h.stride(1) == 1
+    if fp8_width is not None:
+        width = h.shape[1] if gated_width is None else gated_width
+        if triton_ok and _use("act_fp8", h) and fp8_width >= width:
+            return act_fp8_triton(h, act, gated_width, fp8_width)
+        out = activate(h, act, gated_width)
+        return Fp8Rows(*fp8_rows(out, fp8_width), width, out.dtype)
+    if triton_ok and _use("act", h):
         return act_triton(h, act, gated_width)
     return act_torch(h, act, gated_width)
 
@@ -231,16 +290,41 @@ def add_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module
     out = torch.empty_like(x)
     if rows:
         _add_norm_rows[(rows,)](
-            x, x if delta is None else delta, weight, weight if bias is None else bias, s, out, cols, eps,
-            HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, BLOCK=triton.next_power_of_2(cols),
+            x, x if delta is None else delta, weight, weight if bias is None else bias, s, out, out, cols, cols,
+            eps, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, FP8_OUT=False,
+            INV_FP8_MAX=INV_FP8_MAX, BLOCK=triton.next_power_of_2(cols),
         )
     return s, out
 
 
-def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, norm(s)) with s = x + delta (or x): a residual add and the next norm in one pass."""
-    if _use("add_norm", x) and x.dim() == 2 and x.is_contiguous() \
-            and (delta is None or (delta.is_contiguous() and delta.dtype == x.dtype)):
+def add_norm_fp8_triton(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, width: int
+                        ) -> tuple[torch.Tensor, Fp8Rows]:
+    weight, bias, eps, rms = _norm_params(norm)
+    rows, cols = x.shape
+    s = x if delta is None else torch.empty_like(x)
+    values = torch.empty((rows, width), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        _add_norm_rows[(rows,)](
+            x, x if delta is None else delta, weight, weight if bias is None else bias, s, values, scale, cols,
+            width, eps, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, FP8_OUT=True,
+            INV_FP8_MAX=INV_FP8_MAX, BLOCK=triton.next_power_of_2(width),
+        )
+    return s, Fp8Rows(values, scale, cols, x.dtype)
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, fp8_width: int | None = None
+             ) -> tuple[torch.Tensor, Any]:
+    """(s, norm(s)) with s = x + delta (or x): a residual add and the next norm in one pass. With `fp8_width`
+    (the next product is FP8 and reads nothing else), norm(s) comes as `Fp8Rows`, the same bytes."""
+    fused = x.dim() == 2 and x.is_contiguous() and (delta is None or (delta.is_contiguous()
+                                                                      and delta.dtype == x.dtype))
+    if fp8_width is not None:
+        if fused and _use("add_norm_fp8", x) and fp8_width >= x.shape[1]:
+            return add_norm_fp8_triton(x, delta, norm, fp8_width)
+        s, normed = add_norm(x, delta, norm)
+        return s, Fp8Rows(*fp8_rows(normed, fp8_width), normed.shape[-1], normed.dtype)
+    if fused and _use("add_norm", x):
         return add_norm_triton(x, delta, norm)
     return add_norm_torch(x, delta, norm)
 
@@ -271,6 +355,22 @@ def fp8_rows_triton(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Te
         _fp8_rows[(rows,)](x, values, scale, cols, width, x.stride(0), INV_FP8_MAX=INV_FP8_MAX,
                            BLOCK=triton.next_power_of_2(width))
     return values, scale
+
+
+@dataclass
+class Fp8Rows:
+    """Activation rows already quantized for an FP8 product (models/quantization.py): e4m3 `values` [rows,
+    width >= cols], float32 `scale` [rows, 1], the rows' own width `cols` and the dtype they stand for (the
+    product's output dtype). A norm or activation whose only reader is an FP8 product writes these."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    cols: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.values.shape[0], self.cols)
 
 
 def fp8_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,13 +441,33 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
             log.info("fp8_rows: %.2e of the bytes differ, scales %.2e apart", differ, _rel(s1, s2))
         return max(differ, _rel(s1, s2))
 
+    def same_fp8(a: Fp8Rows, values: torch.Tensor, scale: torch.Tensor) -> float:
+        differ = (a.values.view(torch.uint8) != values.view(torch.uint8)).float().mean().item()
+        return max(differ, _rel(a.scale, scale))
+
+    def add_norm_fp8() -> float:
+        """Against the two kernels it fuses: the same sum, the same e4m3 bytes and scales."""
+        x, d = randn(37, 1000), randn(37, 1000)
+        ln = nn.LayerNorm(1000, eps=1e-6, device=device, dtype=dtype)
+        worst = 0.0
+        for norm in (ln, _RmsProbe(randn(1000))):
+            for delta in (d, None):
+                (s1, q), (s2, normed) = add_norm_fp8_triton(x, delta, norm, 1008), add_norm_triton(x, delta, norm)
+                worst = max(worst, _rel(s1, s2), same_fp8(q, *fp8_rows_triton(normed, 1008)))
+        return worst
+
+    def act_fp8() -> float:
+        h = randn(37, 2 * 1000) * 3
+        return max(same_fp8(act_fp8_triton(h, a, g, w), *fp8_rows_triton(act_triton(h, a, g), w))
+                   for a in ACT_CODES for g, w in ((None, 2000), (1000, 1008)))
+
     checks = {"rotary": rotary, "act": act, "add_norm": add_norm_, "gelu_epilogue": gelu_epilogue,
-              "fp8_rows": fp8_rows_}
+              "fp8_rows": fp8_rows_, "add_norm_fp8": add_norm_fp8, "act_fp8": act_fp8}
     errors: dict[str, float] = {}
     for name, check in checks.items():
         if name == "gelu_epilogue" and device.type != "cuda":
             continue  # a cuBLASLt epilogue: nothing to check elsewhere
-        if name == "fp8_rows" and device.type == "cuda" and not has_fp8(device):
+        if name in FP8_KERNELS and device.type == "cuda" and not has_fp8(device):
             continue  # no e4m3 here: nothing is quantized
         try:
             errors[name] = check()

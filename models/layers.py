@@ -12,7 +12,7 @@ from torch import nn
 
 from models.attention import packed_attention
 from models.kernels import ACTIVATIONS, activate, add_norm, apply_rotary, clamped_swiglu, linear_act
-from models.quantization import linear
+from models.quantization import Fp8Linear, fp8_input_width, linear, width_of
 
 
 class PatchEmbed(nn.Module):
@@ -58,8 +58,14 @@ class Mlp(nn.Module):
         setattr(self, names[1], nn.Linear(hidden, dim))
         self.act = check_activation(act)
 
+    def fp8_input(self) -> int | None:
+        fc1 = getattr(self, self.names[0])
+        return width_of(fc1.weight) if isinstance(fc1, Fp8Linear) else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = (getattr(self, n) for n in self.names)
+        if isinstance(fc2, Fp8Linear):  # the activation writes fc2's e4m3 rows itself
+            return fc2(activate(fc1(x), self.act, fp8_width=width_of(fc2.weight)))
         return fc2(linear_act(x, fc1, self.act))
 
 
@@ -107,6 +113,9 @@ class GatedMlp(nn.Module):
     def fused_parts(self) -> tuple[nn.Module, ...]:
         return (self.gate_proj, self.up_proj, self.down_proj)
 
+    def fp8_input(self) -> int | None:
+        return width_of(self.fused[0]) if self.fused is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is None:
             if self.limit is not None:
@@ -114,8 +123,8 @@ class GatedMlp(nn.Module):
                 return self.down_proj(clamped_swiglu(both, self.act, self.hidden, self.limit))
             return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
         weight, bias, down_weight, padded = self.fused
-        if self.limit is None:
-            hidden = activate(linear(x, weight, bias), self.act, gated_width=padded)
+        if self.limit is None:  # an FP8 down product gets its e4m3 rows from the activation
+            hidden = activate(linear(x, weight, bias), self.act, gated_width=padded, fp8_width=width_of(down_weight))
         else:
             hidden = clamped_swiglu(linear(x, weight, bias), self.act, padded, self.limit)
         return linear(hidden, down_weight, self.down_proj.bias)
@@ -260,6 +269,11 @@ class Attention(nn.Module):
     def fused_parts(self) -> tuple[nn.Module, ...]:
         return (self.q, self.k, self.v) if self.separate else ()
 
+    def fp8_input(self) -> int | None:
+        if self.separate:
+            return width_of(self.fused[0]) if self.fused is not None else None
+        return width_of(self.qkv.weight) if isinstance(self.qkv, Fp8Linear) else None
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
         short: bool = False,
@@ -298,7 +312,8 @@ class Block(nn.Module):
         cu_seqlens: torch.Tensor, max_seqlen: int, short: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream, normed: norm1(x) -> (x + attention, MLP output)."""
-        x, normed = add_norm(x, self.attn(normed, cos, sin, cu_seqlens, max_seqlen, short), self.norm2)
+        x, normed = add_norm(x, self.attn(normed, cos, sin, cu_seqlens, max_seqlen, short), self.norm2,
+                             fp8_input_width(self.mlp))
         return x, self.mlp(normed)
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.kernels import FP8, FP8_MAX, fp8_rows
+from models.kernels import FP8, FP8_MAX, Fp8Rows, fp8_rows
 
 ALIGN = 16  # _scaled_mm's inner dimension (and output width) multiple
 
@@ -58,10 +58,16 @@ class Fp8Weight:
         return (self.values.float() * self.scale[0, :, None])[: self.out_features, : self.in_features]
 
 
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    values, scale = fp8_rows(rows, weight.values.shape[1])
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias through e4m3; x as rows of the tower's dtype, or already quantized (`Fp8Rows`, from
+    a norm or activation that wrote them for this product)."""
+    if isinstance(x, Fp8Rows):
+        if x.values.shape[1] != weight.values.shape[1]:
+            raise ValueError(f"FP8 rows of width {x.values.shape[1]} for a product over {weight.values.shape[1]}")
+        shape, values, scale = x.shape, x.values, x.scale
+    else:
+        shape = x.shape
+        values, scale = fp8_rows(x.reshape(-1, shape[-1]), weight.values.shape[1])
     if bias is not None and weight.padded:
         bias = F.pad(bias, (0, weight.values.shape[0] - weight.out_features))
     # bf16 out: the only output CUDA's row-wise scaled kernels write (an fp16 or fp32 tower casts it back)
@@ -70,6 +76,18 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) ->
     if weight.padded:
         out = out[:, : weight.out_features]
     return out.to(x.dtype).reshape(*shape[:-1], weight.out_features)
+
+
+def fp8_input_width(module: nn.Module) -> int | None:
+    """The width of the e4m3 rows a module reads when its first product is FP8 and it reads its input nowhere
+    else (it says so with a `fp8_input` method: attention, MLPs), so the norm before it can write them; else None."""
+    reader = getattr(module, "fp8_input", None)
+    return reader() if reader is not None else None
+
+
+def width_of(weight: object) -> int | None:
+    """An FP8 weight's padded inner width (what its input rows are quantized to), or None for any other."""
+    return weight.values.shape[1] if isinstance(weight, Fp8Weight) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,7 +32,7 @@ from models.metadata import padded_cumsum, rotary_positions, segment_lengths
 from models.patches import Conv2dPatches, LinearPatches
 from models.positions import antialias_metadata, half_pixel_metadata, resample, resample_separable
 from models.protocol import Capacity, CapacityError, TowerOutput
-from models.quantization import linear
+from models.quantization import linear, width_of
 from models.tower import QwenTower, rope_theta
 
 
@@ -67,6 +67,9 @@ class SiglipAttention(nn.Module):
 
     def fused_parts(self) -> tuple[nn.Module, ...]:
         return tuple(getattr(self, n) for n in self.names[:3])
+
+    def fp8_input(self) -> int | None:
+        return width_of(self.fused[0]) if self.fused is not None else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 cu_seqlens: torch.Tensor, max_seqlen: int, short: bool = False) -> torch.Tensor:

@@ -36,6 +36,7 @@ from models.layers import (
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
 from models.positions import bilinear_metadata, resample
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
+from models.quantization import fp8_input_width
 from models.windows import Windows
 
 
@@ -220,11 +221,11 @@ class QwenTower(TowerBase):
         cos, sin = self.rotary(meta["pos_ids"]) if "pos_ids" in meta else (None, None)
         tapped: dict[int, torch.Tensor] = {}
         blocks = list(self.blocks)
-        x, normed = add_norm(x, delta, blocks[0].norm1)
+        x, normed = add_norm(x, delta, blocks[0].norm1, fp8_input_width(blocks[0].attn))
         for i, blk in enumerate(blocks):
             x, mlp_out = blk(x, normed, cos, sin, *self.layer_segments(i, meta, cap))
             if i + 1 < len(blocks):
-                x, normed = add_norm(x, mlp_out, blocks[i + 1].norm1)
+                x, normed = add_norm(x, mlp_out, blocks[i + 1].norm1, fp8_input_width(blocks[i + 1].attn))
             else:
                 x = x + mlp_out
             if i in taps:

@@ -27,6 +27,7 @@ from models.kernels import add_norm
 from models.layers import Mlp, Normalize, Rotary2D
 from models.metadata import base_capacity, padded_cumsum, segment_lengths
 from models.protocol import Capacity, CapacityError, Geometry, Grid
+from models.quantization import fp8_input_width
 from models.siglip import SiglipAttention
 from models.tower import TowerBase
 
@@ -138,11 +139,11 @@ class ViTTower(TowerBase):
                    sin: torch.Tensor | None = None) -> torch.Tensor:
         """The block stack on x (+ delta), each residual add fused with the norm after it."""
         blocks = self.blocks
-        x, normed = add_norm(x, delta, blocks[0].norm1)
+        x, normed = add_norm(x, delta, blocks[0].norm1, fp8_input_width(blocks[0].attn))
         for i, blk in enumerate(blocks):
             x, mlp_out = blk(x, normed, cos, sin, meta["cu_seqlens"], cap.max_seqlen)
             if i + 1 < len(blocks):
-                x, normed = add_norm(x, mlp_out, blocks[i + 1].norm1)
+                x, normed = add_norm(x, mlp_out, blocks[i + 1].norm1, fp8_input_width(blocks[i + 1].attn))
             else:
                 x = x + mlp_out
         return x

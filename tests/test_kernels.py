@@ -83,6 +83,28 @@ for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(sc, sc_ref) and not v[:, cols:].float().any()
             worst["fp8_scale"] = max(worst.get("fp8_scale", 0), rel(sc, sc_ref))
             worst["fp8_rows"] = max(worst.get("fp8_rows", 0), rel(v[:, :cols].float() * sc, x))
+    # the norm and the activation writing e4m3 rows: the bytes of the two kernels they fuse, to the bit
+    def differ(q, values, scale):
+        return max((q.values.view(torch.uint8) != values.view(torch.uint8)).float().mean().item(), rel(q.scale, scale))
+    for rows, dim, width in [(4, 1280, 1280), (3, 1000, 1008), (0, 64, 64)]:
+        x, d = randn(rows, dim) * 4 + 1, randn(rows, dim)
+        for norm in (nn.LayerNorm(dim, eps=1e-6).to(dtype), K._RmsProbe(randn(dim))):
+            for delta in (d, None):
+                (s1, q), (s2, normed) = K.add_norm_fp8_triton(x, delta, norm, width), K.add_norm_triton(x, delta, norm)
+                assert q.shape == (rows, dim) and q.values.shape == (rows, width) and q.dtype == dtype
+                if rows:
+                    worst["add_norm_fp8"] = max(worst.get("add_norm_fp8", 0), rel(s1, s2),
+                                                differ(q, *K.fp8_rows_triton(normed, width)))
+    for rows, cols, width in [(4, 3456, 3456), (3, 1000, 1008), (0, 64, 64)]:
+        h = randn(rows, 2 * cols) * 3
+        for act in K.ACT_CODES:
+            for gated in (None, cols):
+                w = width if gated else 2 * cols
+                q = K.act_fp8_triton(h, act, gated, w)
+                assert q.values.shape == (rows, w)
+                if rows:
+                    worst["act_fp8"] = max(worst.get("act_fp8", 0),
+                                           differ(q, *K.fp8_rows_triton(K.act_triton(h, act, gated), w)))
     results[name] = worst
 results["check_kernels"] = K.check_kernels(torch.device("cpu"), torch.float32)
 print(json.dumps(results))
@@ -117,9 +139,18 @@ def test_fp8_rows_scales_exact_values_within_e4m3(interpreted: dict, dtype: str)
     assert interpreted[dtype]["fp8_rows"] < 0.07
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", ["add_norm_fp8", "act_fp8"])
+def test_fused_fp8_outputs_are_the_bytes_of_the_kernels_they_fuse(interpreted: dict, dtype: str, kernel: str) -> None:
+    """A norm or activation writing e4m3 rows gives the bytes and scales its own kernel then `fp8_rows` give."""
+    assert interpreted[dtype][kernel] == 0
+
+
 def test_load_time_check_covers_every_triton_kernel(interpreted: dict) -> None:
     errors = interpreted["check_kernels"]
-    assert set(errors) == {"rotary", "act", "add_norm", "fp8_rows"}  # gelu_epilogue is cuBLASLt: GPU only
+    # gelu_epilogue is cuBLASLt: GPU only
+    assert set(errors) == {"rotary", "act", "add_norm", "fp8_rows", "add_norm_fp8", "act_fp8"}
+    assert errors["add_norm_fp8"] == errors["act_fp8"] == 0
     assert max(errors[k] for k in ("rotary", "act", "add_norm")) < 1e-6
     assert errors["fp8_rows"] < 0.05  # the share of bytes that differ (see above)
 

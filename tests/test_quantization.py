@@ -211,3 +211,33 @@ def test_the_accuracy_bench_puts_fp8_beside_bf16_against_float32():
     result = summary(rows)
     assert result["fp8"]["mean_cos"] >= 0.995 and result["bf16"]["mean_cos"] > 0.9999
     assert result["bf16_blocks"] == 0 and not result["refused"]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-paddleocr-vl", "tiny-qwen2.5-omni",
+                                  "tiny-lfm3-vl"])
+def test_norms_and_activations_hand_fp8_products_their_rows(name, monkeypatch):
+    """Where a product reads only a norm's or an activation's output, that step writes the e4m3 rows (`Fp8Rows`)
+    and the product takes them as they are: the same bytes as the product quantizing the rows itself."""
+    import models.layers
+    import models.quantization
+    import models.siglip
+    from models.kernels import Fp8Rows
+
+    tower = load_tower(name, device="cpu", dtype="bfloat16")
+    quantize_tower(tower).commit()
+    runner = GraphRunner(tower, torch.device("cpu"), plan_for(tower, 256), use_graphs=False)
+    item = gate_items(tower, video=False)[0]
+    handed = []
+    product = models.quantization.fp8_linear
+    monkeypatch.setattr(models.quantization, "fp8_linear",
+                        lambda x, w, b: handed.append(isinstance(x, Fp8Rows)) or product(x, w, b))
+    with torch.inference_mode():
+        fused = runner.eager(item.pixels, [item.grid_thw]).embeds
+    assert sum(handed) >= 2 * len(tower.block_stack())  # at least each block's first and last MLP products
+    for module in (models.layers, models.siglip):
+        monkeypatch.setattr(module, "width_of", lambda weight: None)  # every product quantizes its own rows
+    handed.clear()
+    with torch.inference_mode():
+        alone = runner.eager(item.pixels, [item.grid_thw]).embeds
+    assert handed and not any(handed)
+    assert torch.equal(fused, alone)
