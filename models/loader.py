@@ -25,6 +25,7 @@ from models.config import ProcessorConfig
 from models.families import FAMILIES, Family
 from models.kernels import enable_triton
 from models.presets import PRESETS, Preset
+from models.quantization import dequantize_checkpoint, fp8_scale_names
 from models.tower import QwenTower
 
 log = logging.getLogger("vitserve.models")
@@ -177,6 +178,10 @@ def _checkpoint_tower(folder: Path, dev: torch.device, dt: torch.dtype, backend:
     family, vision_config, processor = _read_checkpoint_config(folder)
     tower = build_tower(family, vision_config, processor, backend)
     tensors = read_vision_tensors(folder, FAMILIES[family].prefixes, FAMILIES[family].renames)
+    try:  # an FP8 checkpoint's weights times their scales
+        tensors = dequantize_checkpoint(tensors, dt, weight_block_size(folder))
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
     tower.to_empty(device=dev).to(dt)
     load_state(tower, tensors, folder)  # copies, converting to the serving dtype
     tower.reset_buffers()
@@ -198,10 +203,18 @@ def check_model(model: str) -> str:
         shapes = vision_tensor_shapes(folder, FAMILIES[family].prefixes, FAMILIES[family].renames)
     except (OSError, ValueError) as exc:  # safetensors' own errors are both
         raise CheckpointError(f"{folder}: the safetensors cannot be read: {_one_line(exc)}") from None
+    scales = fp8_scale_names(shapes)  # an FP8 checkpoint's, read with their weights
+    shapes = {k: v for k, v in shapes.items() if k not in scales}
     problems = weight_problems({k: tuple(v.shape) for k, v in tower.state_dict().items()}, shapes)
     if problems:
         raise CheckpointError(f"{folder}: vision weights do not match the config ({' | '.join(problems)})")
     return family
+
+
+def weight_block_size(folder: Path) -> tuple[int, int] | None:
+    """config.json's quantization_config.weight_block_size (fine-grained FP8 checkpoints), if it has one."""
+    block = ((_read_json(folder / "config.json") or {}).get("quantization_config") or {}).get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def check_attention(model: str, device: str, dtype: str, attention: str) -> None:

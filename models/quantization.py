@@ -18,6 +18,7 @@ for `Fp8Linear`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +165,62 @@ def quantize_tower(tower: nn.Module, bf16_blocks: int = 0) -> Quantized:
     for parent, name, child in swaps:
         setattr(parent, name, Fp8Linear(child))
     return Quantized(count + len(swaps), bf16_blocks, fused, swaps)
+
+
+FP8_SCALES = ("weight_scale_inv", "weight_scale", "input_scale")  # beside a weight in FP8 checkpoints
+
+
+def fp8_scale_names(names: Iterable[str]) -> set[str]:
+    """The scale tensors of an FP8 checkpoint among `names`: NAME.weight_scale_inv (one per block, the
+    fine-grained format), NAME.weight_scale (per tensor or per output channel, compressed-tensors and ModelOpt)
+    and NAME.input_scale (a static activation scale, not used: activations are scaled per token)."""
+    names = set(names)
+    return {n for n in names for suffix in FP8_SCALES
+            if n.endswith("." + suffix) and n[: -len(suffix)] + "weight" in names}
+
+
+def dequantize_checkpoint(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                          block: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint's vision tensors as `dtype` weights: each e4m3/e5m2 NAME.weight times its scales
+    (`fp8_scale_names`), the scales dropped; every other tensor as it is. `block`: the checkpoint's
+    `weight_block_size` (found from the shapes when not given). `--quantization fp8` then quantizes the tower
+    again in its own scheme; without it the tower serves the checkpoint's values in `dtype`."""
+    scales = fp8_scale_names(tensors)
+    out = {}
+    for name, tensor in tensors.items():
+        if name in scales:
+            continue
+        if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            out[name] = tensor
+            continue
+        stem = name[: -len("weight")]
+        if stem + "weight_scale_inv" in tensors:
+            weight = _blockwise(tensor, tensors[stem + "weight_scale_inv"].float(), block, name)
+        elif stem + "weight_scale" in tensors:
+            scale = tensors[stem + "weight_scale"].float()
+            if scale.numel() == 1:
+                weight = tensor.float() * scale.reshape(())
+            elif scale.numel() == tensor.shape[0]:
+                weight = tensor.float() * scale.reshape(-1, *([1] * (tensor.dim() - 1)))
+            else:
+                raise ValueError(f"{name}: a weight_scale of shape {tuple(scale.shape)} for a weight of "
+                                 f"{tuple(tensor.shape)} (per tensor or per output channel expected)")
+        else:
+            raise ValueError(f"{name} is stored in {tensor.dtype} without a weight_scale or weight_scale_inv")
+        out[name] = weight.to(dtype)
+    return out
+
+
+def _blockwise(values: torch.Tensor, scale: torch.Tensor, block: Sequence[int] | None, name: str) -> torch.Tensor:
+    rows, cols = values.shape
+    if block is None:  # the smallest power-of-two block that gives these scales' grid
+        block = next(((b, b) for b in (2**k for k in range(4, 11))
+                      if (-(-rows // b), -(-cols // b)) == tuple(scale.shape)), None)
+    if block is None or (-(-rows // block[0]), -(-cols // block[1])) != tuple(scale.shape):
+        raise ValueError(f"{name}: weight_scale_inv of shape {tuple(scale.shape)} does not tile a weight of "
+                         f"{(rows, cols)} in blocks of {block}")
+    grid = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return values.float() * grid
 
 
 def cosine_per_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from models.kernels import fp8_rows_torch as quantize_rows
 from models.moe import SparseMoe
 from models.patches import Conv2dPatches, LinearPatches
 from models.presets import PRESETS
-from models.quantization import FP8, Fp8Linear, Fp8Weight, fp8_linear, quantize_tower
+from models.quantization import FP8, Fp8Linear, Fp8Weight, cosine_per_row, fp8_linear, quantize_tower
 from service.engine.types import ModelInfo
 from service.handoff.content_id import model_identity
 from service.handoff.pipeline import Handoff
@@ -241,3 +241,94 @@ def test_norms_and_activations_hand_fp8_products_their_rows(name, monkeypatch):
         alone = runner.eager(item.pixels, [item.grid_thw]).embeds
     assert handed and not any(handed)
     assert torch.equal(fused, alone)
+
+
+def fp8_checkpoint(source, dest, form: str, block: int = 16) -> dict:
+    """`source`'s checkpoint with each 2-D vision weight stored as FP8 the way released FP8 checkpoints store
+    them: `block` (e4m3 and one float32 weight_scale_inv per block x block tile, config's weight_block_size) or
+    `channel` (e4m3 and a per-output-channel weight_scale, compressed-tensors' FP8_DYNAMIC, with an
+    input_scale beside it). Returns the float32 weights the FP8 values stand for, by checkpoint name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    tensors = load_file(dest / "model.safetensors")
+    expected = {}
+    for name, w in list(tensors.items()):
+        if "visual" not in name or not name.endswith(".weight") or w.dim() != 2 or min(w.shape) < 16:
+            continue
+        w = w.float()
+        if form == "block":
+            rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+            tiles = F.pad(w, (0, cols * block - w.shape[1], 0, rows * block - w.shape[0]))
+            amax = tiles.view(rows, block, cols, block).abs().amax(dim=(1, 3))
+            scale = (amax / 448).clamp_min(1e-12)
+            grid = scale.repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
+            tensors[name[: -len("weight")] + "weight_scale_inv"] = scale
+        else:
+            scale = (w.abs().amax(dim=1, keepdim=True) / 448).clamp_min(1e-12)
+            grid = scale
+            tensors[name[: -len("weight")] + "weight_scale"] = scale
+            tensors[name[: -len("weight")] + "input_scale"] = torch.ones(1)
+        values = (w / grid).to(FP8)
+        tensors[name] = values
+        expected[name] = values.float() * grid
+    save_file(tensors, dest / "model.safetensors")
+    if form == "block":
+        config = json.loads((dest / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [block, block]}
+        (dest / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+@pytest.mark.parametrize("form", ["block", "channel"])
+def test_fp8_checkpoints_load_as_they_ship(tmp_path, form):
+    """An FP8 checkpoint's vision weights load as their values times their scales (to the bit), the scale
+    tensors are not reported as unexpected, and the tower serves close to the bf16 checkpoint it came from."""
+    from models.loader import check_model
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint("tiny-qwen2.5-vl", tmp_path / "bf16")
+    expected = fp8_checkpoint(tmp_path / "bf16", tmp_path / form, form)
+    assert len(expected) >= 8
+    assert check_model(str(tmp_path / form)) == "qwen2_5_vl"
+    tower = load_tower(str(tmp_path / form), device="cpu", dtype="float32")
+    state = tower.state_dict()
+    for name, weight in expected.items():
+        assert torch.equal(state[name.split("visual.", 1)[1]], weight), name
+    plain = load_tower(str(tmp_path / "bf16"), device="cpu", dtype="float32")
+    item = gate_items(tower, video=False)[0]
+    ours, theirs = (GraphRunner(t, torch.device("cpu"), plan_for(t, 256), use_graphs=False)
+                    .eager(item.pixels, [item.grid_thw]).embeds for t in (tower, plain))
+    assert 0.99 < cosine_per_row(ours, theirs).mean().item() < 1.0
+
+
+def test_an_fp8_weight_without_its_scales_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from models import CheckpointError
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint("tiny-qwen2.5-vl", tmp_path / "bf16")
+    fp8_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "channel")
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    dropped = next(n for n in tensors if n.endswith(".weight_scale"))
+    del tensors[dropped]
+    save_file(tensors, tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"float8_e4m3fn without a weight_scale"):
+        load_tower(str(tmp_path / "fp8"), device="cpu", dtype="float32")
+
+
+def test_block_scales_without_a_block_size_are_read_from_their_grid():
+    from models.quantization import dequantize_checkpoint
+
+    values = (torch.randn(40, 72) * 100).to(FP8)
+    scale = torch.rand(3, 5) + 0.5  # 16 x 16 tiles: 40 rows in 3, 72 columns in 5
+    out = dequantize_checkpoint({"fc.weight": values, "fc.weight_scale_inv": scale, "fc.bias": torch.ones(40)},
+                                torch.float32)
+    assert set(out) == {"fc.weight", "fc.bias"}
+    assert torch.equal(out["fc.weight"][16:32, 64:], values[16:32, 64:].float() * scale[1, 4])
+    with pytest.raises(ValueError, match="does not tile"):
+        dequantize_checkpoint({"fc.weight": values, "fc.weight_scale_inv": scale}, torch.float32, block=(128, 128))
