@@ -199,6 +199,7 @@ def test_fused_kernels_enable_and_match_torch():
     assert kernels.enable_triton(DEV), errors
     assert max(errors.values()) < 1e-2
     assert errors["fp8_rows"] == 0  # the same e4m3 bytes as the torch path
+    assert errors["add_norm_fp8"] == errors["act_fp8"] == 0  # the bytes of the two kernels each fuses
     for heads, dim in [(16, 80), (16, 72), (4, 16)]:
         qkv = torch.randn(1000, 3, heads, dim, device=DEV).to(torch.bfloat16)
         cos, sin = torch.rand(1000, dim, device=DEV)[:, None, None], torch.rand(1000, dim, device=DEV)[:, None, None]
