@@ -52,13 +52,8 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
         tl.store(out_ptr + row * (HEADS * D) + h * D + d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _act_rows(x_ptr, out_ptr, n_cols, x_row_stride, up_offset,
-                  ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
-        """out[r, c] = act(x[r, c]) (* x[r, up_offset + c] when GATED), float32 math, one rounding."""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        src = x_ptr + row * x_row_stride
+    def _activated(src, cols, mask, up_offset, ACT: tl.constexpr, GATED: tl.constexpr):
+        """act(x[cols]) (* x[up_offset + cols] when GATED) of one row at `src`, in float32."""
         x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
         if ACT == 0:
             y = x * tl.sigmoid(1.702 * x)
@@ -69,6 +64,16 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
             y = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh(z) = 2 sigmoid(2z) - 1
         if GATED:
             y = y * tl.load(src + up_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _act_rows(x_ptr, out_ptr, n_cols, x_row_stride, up_offset,
+                  ACT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        """out[r, c] = act(x[r, c]) (* x[r, up_offset + c] when GATED), float32 math, one rounding."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = _activated(x_ptr + row * x_row_stride, cols, mask, up_offset, ACT, GATED)
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -120,17 +125,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        src = x_ptr + row * x_row_stride
-        x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            y = x * tl.sigmoid(1.702 * x)
-        elif ACT == 1:
-            y = x * tl.sigmoid(x)
-        else:
-            inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            y = 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-        if GATED:
-            y = y * tl.load(src + up_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _activated(x_ptr + row * x_row_stride, cols, mask, up_offset, ACT, GATED)
         rounded = tl.where(mask, y.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0)
         _fp8_store(rounded, cols, out_ptr, scale_ptr, row, width, INV_FP8_MAX)
 
