@@ -1,8 +1,8 @@
 """`--quantization fp8` at load: the tower's products put in FP8 (models/quantization.py) only if, on seeded
-inputs, its outputs agree with its own unquantized outputs.
+inputs, its outputs agree with the same tower's in float32 (the reference the accuracy figures use).
 
 Agreement is the cosine similarity of each output row (a merged token, DeepStack features beside it) with the
-same row before quantization; an item's figure is the mean over its rows. The bar: a mean over the items of at
+same row of the float32 tower; an item's figure is the mean over its rows. The bar: a mean over the items of at
 least `MEAN_COSINE` and no item below `WORST_COSINE`. Where the whole tower falls below it, its first blocks are
 kept in bf16 (an early error passes through every later block), as few as pass; a tower below it with half its
 blocks in bf16 is refused (`QuantizationRefused`, with the figures): the server does not start, rather than
@@ -11,6 +11,7 @@ serve embeddings its language model was not trained on.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -41,6 +42,15 @@ def gate_items(tower: Any, video: bool) -> list[VisualInput]:
             for modality, (t, h, w) in grids]
 
 
+def float32_copy(tower: Any) -> Any:
+    """The tower in float32 with dense SDPA attention: the reference FP8 is held to (a copy, for as long as
+    the gate runs: twice the served weights' room again)."""
+    exact = copy.deepcopy(tower).float()
+    exact.reset_buffers()
+    exact.set_attention("sdpa")
+    return exact
+
+
 def bf16_block_counts(depth: int) -> list[int]:
     """The gate's tries: every block in FP8, then the first 1, 2, 4, ... blocks kept in bf16, up to half."""
     counts, k = [0], 1
@@ -59,19 +69,19 @@ def quantize_with_gate(tower: Any, device: torch.device, video: bool, mean_bar: 
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise QuantizationRefused(f"{name} has no FP8 products (compute capability 8.9 or later: Ada, Hopper)")
-    runner = GraphRunner(tower, device, plan_for(tower, max_batch_tokens=256), use_graphs=False,
-                         modalities=("image", "video") if video else ("image",))
     items = gate_items(tower, video)
 
-    def encode() -> list[torch.Tensor]:
+    def encode(model: Any) -> list[torch.Tensor]:
+        runner = GraphRunner(model, device, plan_for(model, max_batch_tokens=256), use_graphs=False,
+                             modalities=("image", "video") if video else ("image",))
         with torch.inference_mode():
             return [joined(runner.eager(it.pixels, [it.grid_thw], it.modality)).float() for it in items]
 
-    before = encode()
+    before = encode(float32_copy(tower) if tower.dtype != torch.float32 else tower)
     best: dict[str, Any] = {}
     for bf16_blocks in bf16_block_counts(len(tower.block_stack())):
         quantized = quantize_tower(tower, bf16_blocks)
-        per_item = [cosine_per_row(a, b).mean().item() for a, b in zip(encode(), before)]
+        per_item = [cosine_per_row(a, b).mean().item() for a, b in zip(encode(tower), before)]
         worst = int(np.argmin(per_item))
         report = {"mode": "fp8", "products": quantized.products, "bf16_blocks": bf16_blocks,
                   "mean_cosine": round(float(np.mean(per_item)), 5), "worst_cosine": round(per_item[worst], 5),
@@ -80,13 +90,13 @@ def quantize_with_gate(tower: Any, device: torch.device, video: bool, mean_bar: 
         if all(np.isfinite(per_item)) and report["mean_cosine"] >= mean_bar and report["worst_cosine"] >= worst_bar:
             quantized.commit()
             log.info("fp8: %d products quantized (the first %d blocks kept in bf16); outputs agree with the "
-                     "unquantized tower's at a mean cosine of %.5f (worst %.5f, %s)", quantized.products,
+                     "tower's float32 outputs at a mean cosine of %.5f (worst %.5f, %s)", quantized.products,
                      bf16_blocks, report["mean_cosine"], report["worst_cosine"], report["worst_item"])
             return report
         quantized.undo()
         if not best or report["mean_cosine"] > best["mean_cosine"]:
             best = report
     raise QuantizationRefused(
-        f"FP8 outputs agree with the unquantized tower's at a mean cosine of {best['mean_cosine']} (worst "
+        f"FP8 outputs agree with the tower's float32 outputs at a mean cosine of {best['mean_cosine']} (worst "
         f"{best['worst_cosine']}, {best['worst_item']}; the first {best['bf16_blocks']} blocks in bf16), below "
         f"the bar of {mean_bar} (worst {worst_bar}): serve it without --quantization")

@@ -92,7 +92,7 @@ def add_encode_parser(sub) -> argparse.ArgumentParser:
                         "on CUDA; SDPA per segment on the CPU)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: the tower's linear layers as FP8 products, its first blocks unquantized as far as the "
-                        "agreement bar with the unquantized tower asks; refused (exit 3) past half")
+                        "agreement bar with its float32 self asks; refused (exit 3) past half")
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of the largest batch/graph")
     p.add_argument("--t-capture", type=int, default=8, help="temporal patches per video slot in the graphs")
     p.add_argument("--eager", action="store_true", help="bypass the graph pool")

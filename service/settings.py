@@ -91,7 +91,7 @@ class ServeSettings(BaseModel):
                                  "the same bytes alone or in any batch (default on)", default=True)
     quantization: str = flag("none | fp8: the tower's linear layers as FP8 (e4m3) products with per-channel weight "
                              "and per-token activation scales; at load its first blocks stay unquantized as far as "
-                             "the agreement bar with the unquantized tower asks, refused past half (default none)",
+                             "the agreement bar with its float32 self asks, refused past half (default none)",
                              default="none", pattern="^(none|fp8)$")
     served_model_name: str | None = flag("model name reported by the API (default: --model)", default=None)
     max_batch_tokens: int = flag("token budget of the largest batch and graph (default 16384)", default=16384, ge=1)

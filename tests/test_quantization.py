@@ -80,7 +80,7 @@ def test_fp8_linear_is_the_product_of_the_quantized_operands(bias):
 @pytest.mark.parametrize("name", TINY)
 def test_every_family_quantizes_and_passes_the_bar(name):
     """Every product but the patch embeddings, routers and experts becomes FP8; the tower still agrees with its
-    unquantized self at the load-time bar, on images and, where the family takes them, videos."""
+    float32 self at the load-time bar, on images and, where the family takes them, videos."""
     tower = load_tower(name, device="cpu", dtype="bfloat16")
     assert len(tower.block_stack()) == tower.dims.depth  # what the gate can keep in bf16
     report = quantize_with_gate(tower, torch.device("cpu"), FAMILIES[tower.family].video)
@@ -145,7 +145,7 @@ def test_a_server_whose_tower_fails_the_bar_exits_1_with_the_figures():
                               launcher="tests.hooks.broken_paths")
     code, out = server.run_to_exit(timeout=120)
     assert code == 1, out[-3000:]
-    assert "FP8 outputs agree with the unquantized tower's at a mean cosine of 0.99" in out, out[-3000:]
+    assert "FP8 outputs agree with the tower's float32 outputs at a mean cosine of 0.9" in out, out[-3000:]
 
 
 def test_quantize_tower_counts_fused_products_once():
