@@ -71,17 +71,20 @@ def quantize_with_gate(tower: Any, device: torch.device, video: bool, mean_bar: 
         raise QuantizationRefused(f"{name} has no FP8 products (compute capability 8.9 or later: Ada, Hopper)")
     items = gate_items(tower, video)
 
-    def encode(model: Any) -> list[torch.Tensor]:
-        runner = GraphRunner(model, device, plan_for(model, max_batch_tokens=256), use_graphs=False,
-                             modalities=("image", "video") if video else ("image",))
+    def runner_of(model: Any) -> GraphRunner:
+        return GraphRunner(model, device, plan_for(model, max_batch_tokens=256), use_graphs=False,
+                           modalities=("image", "video") if video else ("image",))
+
+    def encode(runner: GraphRunner) -> list[torch.Tensor]:
         with torch.inference_mode():
             return [joined(runner.eager(it.pixels, [it.grid_thw], it.modality)).float() for it in items]
 
-    before = encode(float32_copy(tower) if tower.dtype != torch.float32 else tower)
+    served = runner_of(tower)  # the same tower object through every try
+    before = encode(runner_of(float32_copy(tower)) if tower.dtype != torch.float32 else served)
     best: dict[str, Any] = {}
     for bf16_blocks in bf16_block_counts(len(tower.block_stack())):
         quantized = quantize_tower(tower, bf16_blocks)
-        per_item = [cosine_per_row(a, b).mean().item() for a, b in zip(encode(tower), before)]
+        per_item = [cosine_per_row(a, b).mean().item() for a, b in zip(encode(served), before)]
         worst = int(np.argmin(per_item))
         report = {"mode": "fp8", "products": quantized.products, "bf16_blocks": bf16_blocks,
                   "mean_cosine": round(float(np.mean(per_item)), 5), "worst_cosine": round(per_item[worst], 5),

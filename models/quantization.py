@@ -147,7 +147,7 @@ def quantize_tower(tower: nn.Module, bf16_blocks: int = 0) -> Quantized:
     A holder of fused products (a `fused` tuple and `fused_parts`) gets the weights at its `FUSED_WEIGHTS`
     positions quantized; every other `nn.Linear` becomes an `Fp8Linear`."""
     keep: set[int] = set()
-    for block in list(tower.block_stack())[:bf16_blocks] if bf16_blocks else ():
+    for block in list(tower.block_stack())[:bf16_blocks]:
         keep.update(id(m) for m in block.modules())
     fused, count = [], 0
     for module in tower.modules():

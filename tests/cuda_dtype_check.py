@@ -12,7 +12,6 @@ For each preset: load, capture the graphs of two budgets, pass the start-up self
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from graphs.packing import Batch
-from graphs.precision import quantize_with_gate
+from graphs.precision import float32_copy, quantize_with_gate
 from graphs.runner import GraphRunner, plan_for
 from graphs.self_check import OK, self_check
 from models import VisualInput, load_tower
@@ -51,7 +50,7 @@ def check(name: str, dtype: str) -> dict:
     video = FAMILIES[tower.family].video
     exact = None
     if quantization:
-        exact = copy.deepcopy(tower).float()
+        exact = float32_copy(tower)
         tower.quantization = quantize_with_gate(tower, DEV, video)
     plan = plan_for(tower, max_batch_tokens=2048, budgets=[256, 2048])
     runner = GraphRunner(tower, DEV, plan, modalities=("image", "video") if video else ("image",))
@@ -96,9 +95,7 @@ def check(name: str, dtype: str) -> dict:
         if not torch.equal(rows(runner.run_batch(Batch(None, [0], reason="padding"), clips[:1])[0]), solo):
             differs.append("video eager")
     report["differs"] = differs
-    exact = exact if exact is not None else copy.deepcopy(tower).float()
-    exact.reset_buffers()
-    exact.set_attention("sdpa")
+    exact = exact if exact is not None else float32_copy(tower)
     ref = GraphRunner(exact, DEV, plan, use_graphs=False).eager(target.pixels, [target.grid_thw]).embeds
     eager_err = rel_err(runner.eager(target.pixels, [target.grid_thw]).embeds, ref)
     report["error"], report["eager_error"] = rel_err(alone[:, :tower.out_hidden_size], ref), eager_err

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from graphs.precision import QuantizationRefused, quantize_with_gate
+from graphs.precision import QuantizationRefused, float32_copy, quantize_with_gate
 from graphs.runner import GraphRunner, plan_for
 from models import load_tower
 from models.families import FAMILIES
@@ -39,9 +39,7 @@ def measure(name: str, device: str = "cuda") -> list[dict]:
     dev = torch.device(device)
     tower = load_tower(name, device=device, dtype="bfloat16")
     video = FAMILIES[tower.family].video
-    exact = copy.deepcopy(tower).float()
-    exact.reset_buffers()
-    exact.set_attention("sdpa")
+    exact = float32_copy(tower)
     quantized = copy.deepcopy(tower)
     quantized.reset_buffers()
     try:  # as `--quantization fp8` serves it
