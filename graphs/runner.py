@@ -5,6 +5,7 @@ This is what `vitserve encode` and the server's engine loop call. It knows nothi
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -258,9 +259,13 @@ def joined(out: TowerOutput) -> torch.Tensor:
 
 
 def split(rows: torch.Tensor, tokens: list[int], hidden: int) -> list[ItemOutput]:
-    """Each item's own copies of its main embedding and DeepStack levels out of joined rows."""
+    """Each item's main embedding and DeepStack levels out of joined rows: one copy of the whole batch,
+    level-major ([levels, tokens, hidden], so every item's level is a contiguous row range of it), and
+    views into it. One kernel, not one per item and level (128 for 32 Qwen3-VL images)."""
+    levels = rows.shape[1] // hidden
+    own = rows.view(rows.shape[0], levels, hidden).transpose(0, 1).clone(memory_format=torch.contiguous_format)
     out = []
-    for part in rows.split(tokens):
-        levels = [part[:, j:j + hidden].clone() for j in range(0, part.shape[1], hidden)]
-        out.append(ItemOutput(levels[0], levels[1:]))
+    for start, count in zip(itertools.accumulate([0, *tokens[:-1]]), tokens):
+        part = own[:, start:start + count]
+        out.append(ItemOutput(part[0], list(part[1:])))
     return out
