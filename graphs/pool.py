@@ -207,7 +207,8 @@ class GraphPool:
         _upload(g.inputs["pixels"][: len(pixels)], pixels)
         assert self._meta_flat is not None
         staged = self._staged_metadata(key, grids, g)
-        self._meta_flat[: len(staged)].copy_(staged, non_blocking=True)
+        for dst, src, size in staged.runs:
+            self._meta_flat[dst:dst + size].copy_(staged.host[src:src + size], non_blocking=True)
         tokens = sum(self.tower.geometry.tokens(grid, key.modality) for grid in grids)
         with torch.inference_mode():
             if g.graph is None:
@@ -218,9 +219,9 @@ class GraphPool:
         self.stats.record_replay(str(key), len(grids))
         return out[:tokens]
 
-    def _staged_metadata(self, key: GraphKey, grids: list[Grid], g: CapturedGraph) -> torch.Tensor:
-        """The batch's metadata arrays, each at its offset in one (page-locked) buffer that one copy
-        uploads into the static buffers; cached, never written again once made."""
+    def _staged_metadata(self, key: GraphKey, grids: list[Grid], g: CapturedGraph) -> StagedMetadata:
+        """The batch's metadata arrays, packed for upload into the static buffers; cached, never written
+        again once made."""
         cache_key = (key, tuple(tuple(grid) for grid in grids))
         staged = self._meta_cache.get(cache_key)
         if staged is not None:
@@ -228,30 +229,60 @@ class GraphPool:
             return staged
         staged = self._pack_metadata(self.tower.build_metadata(grids, g.capacity), g.inputs)
         self._meta_cache[cache_key] = staged
-        self._meta_cache_bytes += staged.numel()
+        self._meta_cache_bytes += staged.nbytes
         while self._meta_cache_bytes > META_CACHE_BYTES:
             _, old = self._meta_cache.popitem(last=False)
-            self._meta_cache_bytes -= old.numel()
+            self._meta_cache_bytes -= old.nbytes
         return staged
 
-    def _pack_metadata(self, meta: dict[str, np.ndarray], views: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Every metadata array at its buffer's offset, up to the end of the last array (stale bytes past
-        an array's end belong to longer capacities' views, never read by this graph)."""
-        end = max(self._meta_offsets[name] + arr.nbytes for name, arr in meta.items())
-        staging = torch.empty(end, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        host = staging.numpy()
+    def _pack_metadata(self, meta: dict[str, np.ndarray], views: dict[str, torch.Tensor]) -> StagedMetadata:
+        """Every metadata array back to back in one (page-locked) buffer, with the runs that copy them to
+        their buffers' offsets. The buffers are sized for the largest capacity, so a small batch's arrays
+        lie far apart: arrays closer than `META_GAP_BYTES` share one copy (stale bytes between them belong
+        to longer capacities' views, never read by this graph), the rest get a copy each."""
+        spans = []
         for name, arr in meta.items():
             view = views[name]  # the graph reads exactly this prefix: the array must fill it
             if arr.shape != tuple(view.shape) or arr.dtype != self._meta_dtypes[name]:
                 raise ValueError(f"metadata {name}: {arr.dtype}{arr.shape} for a {view.dtype}{tuple(view.shape)} "
                                  "buffer")
-            start = self._meta_offsets[name]
-            host[start:start + arr.nbytes] = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-        return staging
+            spans.append((self._meta_offsets[name], np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+        spans.sort(key=lambda span: span[0])
+        runs: list[tuple[int, int, list]] = []  # (device start, device end, arrays) of each copy
+        for start, data in spans:
+            if runs and start - runs[-1][1] < META_GAP_BYTES:
+                first, _, members = runs.pop()
+                runs.append((first, start + data.nbytes, [*members, (start, data)]))
+            else:
+                runs.append((start, start + data.nbytes, [(start, data)]))
+        host = torch.zeros(sum(end - first for first, end, _ in runs), dtype=torch.uint8,
+                           pin_memory=self.device.type == "cuda")
+        packed = host.numpy()
+        copies, at = [], 0
+        for first, end, members in runs:
+            for start, data in members:
+                packed[at + start - first:at + start - first + data.nbytes] = data
+            copies.append((first, at, end - first))
+            at += end - first
+        return StagedMetadata(host, tuple(copies))
+
+
+@dataclass(frozen=True)
+class StagedMetadata:
+    """A batch's metadata packed on the host: `runs` of (device offset, host offset, bytes) to copy."""
+
+    host: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel()
 
 
 META_ALIGN = 256  # bytes: every metadata buffer starts aligned for any dtype
 META_CACHE_BYTES = 8 << 20  # of packed metadata kept for batches that recur
+# Closer arrays share one upload: a copy costs about as long to issue and run as 64 KiB take to move.
+META_GAP_BYTES = 64 << 10
 CPU_NO_GRAPHS = ("CUDA graphs need a CUDA device: on the CPU each graph key runs as a fixed-shape eager forward "
                  "over the same static buffers (for trying the API)")
 

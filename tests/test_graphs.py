@@ -205,11 +205,11 @@ def test_recurring_batches_reuse_their_packed_metadata_within_a_bound(runner, mo
     first = [out.embeds for out in runner.encode(a)]
     (key_a, staged_a), = cache.items()
     runner.encode(b)
-    assert len(cache) > 1 and runner.pool._meta_cache_bytes == sum(t.numel() for t in cache.values())
+    assert len(cache) > 1 and runner.pool._meta_cache_bytes == sum(t.nbytes for t in cache.values())
     again = [out.embeds for out in runner.encode(a)]
     assert cache[key_a] is staged_a and list(cache)[-1] == key_a  # reused, and now the most recent
     assert all(torch.equal(x, y) for x, y in zip(first, again))
-    bound = max(t.numel() for t in cache.values())
+    bound = max(t.nbytes for t in cache.values())
     monkeypatch.setattr(graph_pool, "META_CACHE_BYTES", bound)
     cache.clear()
     runner.pool._meta_cache_bytes = 0
@@ -217,6 +217,33 @@ def test_recurring_batches_reuse_their_packed_metadata_within_a_bound(runner, mo
     runner.encode(b)  # b's entries, packed after a's, push it out
     assert key_a not in cache and 0 < runner.pool._meta_cache_bytes <= bound
     assert all(torch.equal(x, y) for x, y in zip(first, (out.embeds for out in runner.encode(a))))
+
+
+def test_a_small_batch_uploads_its_own_metadata_not_the_largest_capacity_span(runner, monkeypatch):
+    """The static metadata buffers are sized for the largest budget: a small batch's arrays lie far apart
+    in them and are copied where they lie, not with the span between them (here every gap is "far")."""
+    from graphs import pool as graph_pool
+
+    monkeypatch.setattr(graph_pool, "META_GAP_BYTES", 1)
+    m = runner.tower.merge
+    items = make_items(runner.tower, [(1, 2 * m, 2 * m), (1, 2 * m, 4 * m)], 3)
+    (batch,) = runner.pack_items(items)
+    pool = runner.pool
+    g = pool.graphs[batch.key]
+    grids = [it.grid_thw for it in items]
+    meta = runner.tower.build_metadata(grids, g.capacity)
+    staged = pool._pack_metadata(meta, g.inputs)
+    span = max(pool._meta_offsets[n] + a.nbytes for n, a in meta.items())
+    assert staged.nbytes == sum(size for _, _, size in staged.runs) < span and len(staged.runs) > 1
+    for name, arr in meta.items():  # every array inside exactly one run, at its own offset
+        start = pool._meta_offsets[name]
+        (dst, src, size), = [r for r in staged.runs if r[0] <= start < r[0] + r[2]]
+        assert start + arr.nbytes <= dst + size
+        host = staged.host.numpy()[src + start - dst:src + start - dst + arr.nbytes]
+        assert host.tobytes() == np.ascontiguousarray(arr).tobytes()
+    pool.replay(batch.key, np.concatenate([it.pixels for it in items]), grids)
+    for name, arr in meta.items():  # what the graph reads
+        assert np.array_equal(g.inputs[name].numpy(), arr)
 
 
 def test_small_then_large_then_small(runner):
