@@ -16,6 +16,7 @@ from models import VisualInput, load_tower
 from models.protocol import Geometry
 
 CPU = torch.device("cpu")
+POWERS_OF_TWO = auto_budgets(16384, steps_per_octave=1)  # the ladder the splitting tests' figures were made for
 
 
 def rel_err(a, b):
@@ -29,9 +30,13 @@ def make_items(tower, grids, seed=0, modality="image"):
 
 
 # ---- budgets --------------------------------------------------------------------------------
-def test_auto_budgets_are_powers_of_two_plus_the_maximum():
-    assert auto_budgets(16384) == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-    assert auto_budgets(1000) == [64, 128, 256, 512, 1000]
+def test_auto_budgets_are_four_per_doubling_plus_the_maximum():
+    assert auto_budgets(16384, steps_per_octave=1) == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert auto_budgets(1000) == [64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1000]
+    budgets = auto_budgets(16384)
+    assert budgets[-1] == 16384 and all(b / a <= 1.25 for a, b in zip(budgets, budgets[1:]))
+    # the budgets holding one 448x448 Qwen3-VL image (196 tokens) and 32 of 224x224 (1568) with 14% padding
+    assert {224, 1792} <= set(budgets) and not set(range(196, 224)) & set(budgets)
     plan = BudgetPlan.create(max_batch_tokens=1000)
     assert plan.max_items == 256 and plan.max_budget == 1000
 
@@ -108,7 +113,7 @@ def test_packing_properties(items, max_tokens, max_items, overhead):
     (28, 100.0, [4096, 2048, 1024]),
 ])
 def test_a_batch_just_over_a_budget_is_split_when_that_costs_less(count, overhead, budgets):
-    plan = BudgetPlan.create(max_batch_tokens=16384)
+    plan = BudgetPlan.create(max_batch_tokens=16384, budgets=POWERS_OF_TWO)
     items = [PackItem(256, "image", 1, 1024)] * count
     batches = pack(items, plan, None if overhead is None else CostModel(overhead))
     assert [b.key.budget for b in batches] == budgets
@@ -154,13 +159,14 @@ def test_results_come_back_in_caller_order_and_match_eager(runner):
 
 
 def test_split_batches_match_eager(runner):
+    runner = GraphRunner(runner.tower, CPU, plan_for(runner.tower, max_batch_tokens=256, t_capture=4,
+                                                     budgets=auto_budgets(256, steps_per_octave=1)))
+    runner.capture()
     items = make_items(runner.tower, [(1, 8, 8)] * 8 + [(1, 4, 8), (1, 12, 8)], seed=3)  # 136 + 24 tokens
     runner.cost = CostModel(replay_overhead_tokens=0.0)
-    try:
-        batches = runner.pack_items(items)
-        outs = runner.encode(items)
-    finally:
-        runner.cost = None
+    batches = runner.pack_items(items)
+    outs = runner.encode(items)
+    runner.cost = None
     assert len(batches) > len(runner.pack_items(items))  # the overhead made the packing split
     for item, out in zip(items, outs):
         assert rel_err(out.embeds, solo(runner, item).embeds) < 1e-5
@@ -400,7 +406,7 @@ def test_a_split_with_an_eager_part_loses_to_one_eager_pass_when_that_costs_less
     for ties against an eager pass, not against a split with an eager part of its own (a 4096-token
     replay of 83 Qwen3-VL 224x224 images and an eager pass of 45: 52.6 ms, one eager pass 52.2 ms); a
     replay of everything still wins its ties."""
-    plan = BudgetPlan.create(max_batch_tokens=16384, max_items=256)
+    plan = BudgetPlan.create(max_batch_tokens=16384, max_items=256, budgets=POWERS_OF_TWO)
     cost = CostModel(replay_overhead_tokens=92.0, launch_bound_patches=5000.0)
     large = PackItem(1296, "image", 1, 5184)
     batches = pack([large] * 8, plan, cost)
