@@ -45,6 +45,11 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # nothing leaves the machine
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+# On a CPU with AMX tiles vLLM repacks small linear weights with its CPU build's kernels
+# (`torch.ops._C.convert_weight_packed`), which the CUDA wheel installed here does not have: the model then
+# fails to build. Reported without AMX, vLLM keeps the torch path it takes on every other CPU.
+torch.cpu._is_amx_tile_supported = lambda: False
+
 
 def free_port() -> int:
     with socket.socket() as s:
