@@ -18,10 +18,6 @@ MIN_LENGTH_CLASS = 64  # patches: segments up to 64 patches (an 8x8-patch frame)
 # Items per batch unless set: enough that a full budget of small images is one batch (the limit was the
 # smallest budget, 64: 128 images of 224x224 then made two batches and twice the padding).
 DEFAULT_MAX_ITEMS = 256
-# A replay costs its whole budget: with a budget at every power of two a batch paid up to twice its tokens,
-# and common image sizes of 32-pixel tokens fall just past one (a 448x448 image is 196 tokens: its replay in
-# 256 took 3.44 ms, in 196 3.19; H200, Qwen3-VL-8B). Four budgets per doubling bound the padding to 25%.
-STEPS_PER_OCTAVE = 4
 MODALITIES = ("image", "video")
 
 
@@ -29,9 +25,15 @@ class BudgetError(ValueError):
     """Settings that cannot make a valid graph plan; the message says what to change."""
 
 
-def auto_budgets(max_batch_tokens: int, smallest: int = 64, steps_per_octave: int = STEPS_PER_OCTAVE) -> list[int]:
-    """From `smallest` up to the maximum, `steps_per_octave` evenly spaced budgets per doubling (1, 1.25, 1.5
-    and 1.75 times a power of two by default), plus the maximum itself."""
+def auto_budgets(max_batch_tokens: int, smallest: int = 64, steps_per_octave: int = 1) -> list[int]:
+    """From `smallest` up to the maximum, `steps_per_octave` evenly spaced budgets per doubling (powers of two
+    by default; with 4, 1, 1.25, 1.5 and 1.75 times each), plus the maximum itself.
+
+    A replay costs its whole budget: between powers of two a batch pays up to twice its tokens, and common
+    image sizes of 32-pixel tokens fall just past one (a 448x448 image is 196 tokens: its replay in 256 took
+    3.44 ms, in 196 3.19; 32 of 224x224, 1568 tokens, ran eagerly in 18.1 ms rather than pad to 2048, and
+    replayed in 1568 in 13.9; H200, Qwen3-VL-8B). Four steps bound the padding to 25%, for about four times
+    the graphs to capture."""
     budgets = []
     b = smallest
     while b < max_batch_tokens:
@@ -80,10 +82,14 @@ class BudgetPlan:
         max_segment_patches: int = 65536,
         layout: Layout | None = None,
         whole_clip: bool = False,
+        steps_per_octave: int = 1,
     ) -> BudgetPlan:
         if max_batch_tokens < 1:
             raise BudgetError(f"--max-batch-tokens must be positive, got {max_batch_tokens}")
-        chosen = sorted(set(budgets)) if budgets else auto_budgets(max_batch_tokens, min(64, max_batch_tokens))
+        if steps_per_octave < 1:
+            raise BudgetError(f"--budget-steps must be at least 1, got {steps_per_octave}")
+        chosen = sorted(set(budgets)) if budgets else auto_budgets(max_batch_tokens, min(64, max_batch_tokens),
+                                                                    steps_per_octave)
         if chosen[0] < 1:
             raise BudgetError(f"--budgets must be positive token counts, got {chosen}")
         items = min(DEFAULT_MAX_ITEMS, chosen[-1]) if max_items is None else max_items

@@ -38,7 +38,7 @@ class ItemOutput:
 
 
 def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[int] | None = None,
-             max_items: int | None = None, t_capture: int = 8) -> BudgetPlan:
+             max_items: int | None = None, t_capture: int = 8, steps_per_octave: int = 1) -> BudgetPlan:
     proc = tower.processor
     patch_area = proc.patch_size**2
     largest_frame = max(max(proc.max_pixels, proc.video.max_pixels) // patch_area, tower.merge_unit)
@@ -52,6 +52,7 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
         max_segment_patches=largest_frame * (t_capture if whole_clip else 1),
         layout=tower.layout,
         whole_clip=whole_clip,
+        steps_per_octave=steps_per_octave,
     )
 
 

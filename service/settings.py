@@ -95,9 +95,11 @@ class ServeSettings(BaseModel):
                              default="none", pattern="^(none|fp8)$")
     served_model_name: str | None = flag("model name reported by the API (default: --model)", default=None)
     max_batch_tokens: int = flag("token budget of the largest batch and graph (default 16384)", default=16384, ge=1)
-    budgets: list[int] | None = flag("graph token budgets, separated by commas or spaces, or auto (default: four "
-                                     "per doubling, 1, 1.25, 1.5 and 1.75 times 64, 128, ..., up to "
-                                     "--max-batch-tokens)", default=None)
+    budgets: list[int] | None = flag("graph token budgets, separated by commas or spaces, or auto (default: powers "
+                                     "of two up to --max-batch-tokens)", default=None)
+    budget_steps: int = flag("automatic budgets per doubling (default 1, powers of two; 4 adds 1.25, 1.5 and 1.75 "
+                             "times each: a batch pads at most a quarter, for about 4x the graphs to capture)",
+                             default=1, ge=1, le=8)
     t_capture: int = flag("temporal patches per video slot captured in graphs (default 8)", default=8, ge=1)
     gpu_memory: str | None = flag("device memory the server may use, in bytes (4GiB, 4096MiB) or as a fraction of "
                                   "the device (0.5); the graph budgets shrink to fit (default: no bound)", default=None)

@@ -16,7 +16,7 @@ from models import VisualInput, load_tower
 from models.protocol import Geometry
 
 CPU = torch.device("cpu")
-POWERS_OF_TWO = auto_budgets(16384, steps_per_octave=1)  # the ladder the splitting tests' figures were made for
+POWERS_OF_TWO = auto_budgets(16384)  # the ladder the splitting tests' figures were made for
 
 
 def rel_err(a, b):
@@ -30,15 +30,30 @@ def make_items(tower, grids, seed=0, modality="image"):
 
 
 # ---- budgets --------------------------------------------------------------------------------
-def test_auto_budgets_are_four_per_doubling_plus_the_maximum():
-    assert auto_budgets(16384, steps_per_octave=1) == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-    assert auto_budgets(1000) == [64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1000]
-    budgets = auto_budgets(16384)
+def test_auto_budgets_are_powers_of_two_or_finer_steps_plus_the_maximum():
+    assert auto_budgets(16384) == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert auto_budgets(1000) == [64, 128, 256, 512, 1000]
+    assert auto_budgets(1000, steps_per_octave=4) == [64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                                                      640, 768, 896, 1000]
+    budgets = auto_budgets(16384, steps_per_octave=4)
     assert budgets[-1] == 16384 and all(b / a <= 1.25 for a, b in zip(budgets, budgets[1:]))
     # the budgets holding one 448x448 Qwen3-VL image (196 tokens) and 32 of 224x224 (1568) with 14% padding
     assert {224, 1792} <= set(budgets) and not set(range(196, 224)) & set(budgets)
     plan = BudgetPlan.create(max_batch_tokens=1000)
     assert plan.max_items == 256 and plan.max_budget == 1000
+
+
+def test_budget_steps_reach_the_servers_plan():
+    from service.engine.loading import build_runner
+    from service.settings import ServeSettings
+
+    def budgets(steps: int) -> tuple[int, ...]:
+        settings = ServeSettings(model="tiny-qwen2-vl", device="cpu", dtype="float32", max_batch_tokens=1024,
+                                 budget_steps=steps)
+        return build_runner(settings).plan.budgets
+
+    assert budgets(1) == (64, 128, 256, 512, 1024)
+    assert budgets(4) == (64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -159,14 +174,13 @@ def test_results_come_back_in_caller_order_and_match_eager(runner):
 
 
 def test_split_batches_match_eager(runner):
-    runner = GraphRunner(runner.tower, CPU, plan_for(runner.tower, max_batch_tokens=256, t_capture=4,
-                                                     budgets=auto_budgets(256, steps_per_octave=1)))
-    runner.capture()
     items = make_items(runner.tower, [(1, 8, 8)] * 8 + [(1, 4, 8), (1, 12, 8)], seed=3)  # 136 + 24 tokens
     runner.cost = CostModel(replay_overhead_tokens=0.0)
-    batches = runner.pack_items(items)
-    outs = runner.encode(items)
-    runner.cost = None
+    try:
+        batches = runner.pack_items(items)
+        outs = runner.encode(items)
+    finally:
+        runner.cost = None
     assert len(batches) > len(runner.pack_items(items))  # the overhead made the packing split
     for item, out in zip(items, outs):
         assert rel_err(out.embeds, solo(runner, item).embeds) < 1e-5

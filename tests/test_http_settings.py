@@ -91,6 +91,8 @@ def test_cli_refuses_bad_settings_with_exit_2(capsys, monkeypatch):
     assert "--max-batch-items" in capsys.readouterr().err
     assert main(["--budgets", "0,64"]) == 2
     assert "--budgets" in capsys.readouterr().err
+    assert main(["--budget-steps", "0"]) == 2
+    assert "--budget-steps" in capsys.readouterr().err
     assert main(["--device", "cpu", "--data-parallel", "auto", "--fronts", "3"]) == 2  # auto: one CPU engine
     assert "--fronts 3 with 1 engine(s)" in capsys.readouterr().err
 

@@ -18,7 +18,7 @@ IDLE_GAP_S = 0.01
 
 def engine_reference(images: Sequence[bytes], *, model: str, device: str, dtype: str, max_batch_tokens: int,
                      budgets: list[int] | None = None, max_batch_items: int | None = None, t_capture: int = 8,
-                     eager: bool = False, workers: int = 2, single_reps: int = 20,
+                     budget_steps: int = 1, eager: bool = False, workers: int = 2, single_reps: int = 20,
                      batch_reps: int = 5) -> dict[str, Any]:
     """Preprocessing (`preprocess_image_bytes`, in a pool of the server's worker count) plus
     `GraphRunner.encode` up to a device sync, the server's model and plan, same images. Throughput: one
@@ -33,7 +33,7 @@ def engine_reference(images: Sequence[bytes], *, model: str, device: str, dtype:
     tower = load_tower(model, device=device, dtype=dtype)
     dev = next(tower.parameters()).device
     bind_device(dev)  # captures and replays run on the current device's streams: cuda:1 must be current
-    plan = plan_for(tower, max_batch_tokens, budgets, max_batch_items, t_capture)
+    plan = plan_for(tower, max_batch_tokens, budgets, max_batch_items, t_capture, budget_steps)
     runner = GraphRunner(tower, dev, plan, use_graphs=not eager)
     runner.capture()
     try:

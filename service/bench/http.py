@@ -147,8 +147,9 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             raise BenchError(f"--model {model} but the server at {base_url} serves {s.get('model')}")
         server = {"url": base_url, "spawned": spawned is not None, "command": spawned, "model": s.get("model"),
                   "family": info.get("family"), "device": info.get("device"), "dtype": info.get("dtype"),
-                  "settings": {k: s.get(k) for k in ("max_batch_tokens", "budgets", "max_batch_items", "max_wait_ms",
-                                                     "preprocess_workers", "eager", "t_capture", "data_parallel")},
+                  "settings": {k: s.get(k) for k in ("max_batch_tokens", "budgets", "budget_steps", "max_batch_items",
+                                                     "max_wait_ms", "preprocess_workers", "eager", "t_capture",
+                                                     "data_parallel")},
                   # one per front (each front's /info shows its own share of the settings), or behind one front
                   "engines": int((info.get("front") or {}).get("of") or s.get("data_parallel") or 1)}
         # With several engines (--data-parallel) the reference is one engine on the first of their devices,
@@ -160,6 +161,7 @@ def run(*, model: str | None = None, url: str | None = None, concurrency: Sequen
             images, model=str(s["model"]), device=first_device, dtype=str(info["dtype"]),
             max_batch_tokens=int(s["max_batch_tokens"]), budgets=s.get("budgets"),
             max_batch_items=s.get("max_batch_items"), t_capture=int(s.get("t_capture") or 8),
+            budget_steps=int(s.get("budget_steps") or 1),
             eager=bool(s.get("eager")), workers=int(s.get("preprocess_workers") or 2), single_reps=single_reps,
             batch_reps=batch_reps)
         log(f"engine: {engine['images_per_s']:.1f} images/s ({engine['batch_images']} per batch), "

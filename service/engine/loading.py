@@ -45,7 +45,7 @@ def build_runner(settings: ServeSettings) -> GraphRunner:
     # Graphs for the modalities the family takes (an images-only tower captures no video keys).
     modalities = ("image", "video") if video else ("image",)
     while True:
-        plan = plan_for(tower, max_tokens, budgets, items, s.t_capture)
+        plan = plan_for(tower, max_tokens, budgets, items, s.t_capture, s.budget_steps)
         runner = GraphRunner(tower, device, plan, use_graphs=not s.eager, modalities=modalities,
                              video_chunking=s.video_chunking)
         # The backend in use, whatever --attention asked for (auto may have fallen back): operators check it.

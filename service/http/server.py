@@ -61,7 +61,8 @@ def configure_logging(level: str, process: str = "") -> None:
 def check_plan(settings: ServeSettings) -> None:
     """Refuse bad budget settings before anything loads (the real plan also needs the model)."""
     BudgetPlan.create(max_batch_tokens=settings.max_batch_tokens, budgets=settings.budgets,
-                      max_items=settings.max_batch_items, t_capture=settings.t_capture)
+                      max_items=settings.max_batch_items, t_capture=settings.t_capture,
+                      steps_per_octave=settings.budget_steps)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
