@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -332,3 +333,26 @@ def test_block_scales_without_a_block_size_are_read_from_their_grid():
     assert torch.equal(out["fc.weight"][16:32, 64:], values[16:32, 64:].float() * scale[1, 4])
     with pytest.raises(ValueError, match="does not tile"):
         dequantize_checkpoint({"fc.weight": values, "fc.weight_scale_inv": scale}, torch.float32, block=(128, 128))
+
+
+def test_the_gates_figure_is_each_items_worst_output_not_its_outputs_side_by_side():
+    """A DeepStack tower's embedding and levels are held to the bar apart: side by side, better early levels
+    would hide a worse embedding (a random Qwen3-VL-8B with its first block in bf16: 0.99515 joined, 0.99460
+    for the embedding alone)."""
+    from graphs.precision import float32_copy, item_agreement
+
+    ref = [torch.ones(3, 4), torch.ones(3, 4)]
+    got = [torch.ones(3, 4), torch.tensor([[1.0, 1, 1, -1]]).expand(3, 4)]  # the second output at cosine 0.5
+    assert item_agreement(got, ref) == pytest.approx(0.5)
+    tower = load_tower("tiny-qwen3-vl", device="cpu", dtype="bfloat16")
+    exact = float32_copy(tower)
+    report = quantize_with_gate(tower, torch.device("cpu"), video=True, mean_bar=0.0, worst_bar=0.0)
+    runners = [GraphRunner(t, torch.device("cpu"), plan_for(t, 256), use_graphs=False) for t in (tower, exact)]
+    figures = []
+    for item in gate_items(tower, video=True):
+        outs = [r.eager(item.pixels, [item.grid_thw], item.modality) for r in runners]
+        levels = [[o.embeds, *o.deepstack] for o in outs]
+        assert len(levels[0]) > 1  # DeepStack levels beside the embedding
+        figures.append(min(cosine_per_row(a, b).mean().item() for a, b in zip(*levels)))
+    assert report["mean_cosine"] == round(float(np.mean(figures)), 5)
+    assert report["worst_cosine"] == round(min(figures), 5)
