@@ -5,11 +5,10 @@ Agreement is the cosine similarity of each output row (a merged token) with the 
 for the embedding and each DeepStack level apart; an item's figure is the worst of its outputs' means over their
 rows (the levels side by side would hide a worse embedding behind better early levels: on a random Qwen3-VL-8B,
 0.99515 joined against 0.99460 for the embedding alone, the gate's 16x16-patch image with its first block in bf16).
-The bar: a mean over the items of at
-least `MEAN_COSINE` and no item below `WORST_COSINE`. Where the whole tower falls below it, its first blocks are
-kept in bf16 (an early error passes through every later block), as few as pass; a tower below it with half its
-blocks in bf16 is refused (`QuantizationRefused`, with the figures): the server does not start, rather than
-serve embeddings its language model was not trained on.
+The bar: a mean over the items of at least `MEAN_COSINE` and no item below `WORST_COSINE`. Where the whole tower
+falls below it, its first blocks are kept in bf16 (an early error passes through every later block), as few as
+pass; a tower below it with half its blocks in bf16 is refused (`QuantizationRefused`, with the figures): the
+server does not start, rather than serve embeddings its language model was not trained on.
 """
 
 from __future__ import annotations
