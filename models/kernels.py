@@ -235,8 +235,7 @@ def activate(h: torch.Tensor, act: str, gated_width: int | None = None, fp8_widt
         width = h.shape[1] if gated_width is None else gated_width
         if triton_ok and _use("act_fp8", h) and fp8_width >= width:
             return act_fp8_triton(h, act, gated_width, fp8_width)
-        out = activate(h, act, gated_width)
-        return Fp8Rows(*fp8_rows(out, fp8_width), width, out.dtype)
+        return Fp8Rows.of(activate(h, act, gated_width), fp8_width)
     if triton_ok and _use("act", h):
         return act_triton(h, act, gated_width)
     return act_torch(h, act, gated_width)
@@ -318,7 +317,7 @@ def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, fp8_w
         if fused and _use("add_norm_fp8", x) and fp8_width >= x.shape[1]:
             return add_norm_fp8_triton(x, delta, norm, fp8_width)
         s, normed = add_norm(x, delta, norm)
-        return s, Fp8Rows(*fp8_rows(normed, fp8_width), normed.shape[-1], normed.dtype)
+        return s, Fp8Rows.of(normed, fp8_width)
     if fused and _use("add_norm", x):
         return add_norm_triton(x, delta, norm)
     return add_norm_torch(x, delta, norm)
@@ -366,6 +365,11 @@ class Fp8Rows:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.values.shape[0], self.cols)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, width: int) -> Fp8Rows:
+        """x [rows, cols] quantized by `fp8_rows` (the unfused path)."""
+        return cls(*fp8_rows(x, width), x.shape[-1], x.dtype)
 
 
 def fp8_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
