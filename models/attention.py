@@ -34,6 +34,9 @@ server binds its port) and pass the same check, or loading fails.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +112,27 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.
         return "sdpa"
     log.info("attention: varlen serves")
     return "varlen"
+
+
+_forward = threading.local()
+
+
+@contextmanager
+def one_forward() -> Iterator[None]:
+    """One tower forward: within it, what a backend derives from a `cu_seqlens` tensor (cuDNN's lengths
+    and offsets) is computed at its first call and reused by the next blocks', not once per block. A
+    forward captured in a CUDA graph captures that first computation, so every replay redoes it."""
+    outer = getattr(_forward, "token", None)
+    _forward.token = object()
+    try:
+        yield
+    finally:
+        _forward.token = outer
+
+
+def forward_token() -> object | None:
+    """The current `one_forward`'s identity; None outside one (every call then computes its own)."""
+    return getattr(_forward, "token", None)
 
 
 def kernel_for(backend: str, short: bool = False) -> str:

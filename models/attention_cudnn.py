@@ -22,6 +22,7 @@ without it, or without a GPU, `available()` says why.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,13 +273,27 @@ class CudnnPlan:
             _OFF_Q: row[key.q_strides[0]], _OFF_K: row[key.k_strides[0]], _OFF_V: row[key.v_strides[0]],
             _OFF_O: row[key.heads * key.head_dim],
         }
+        self.filled_from: tuple | None = None  # (forward, cu_seqlens, its version) the buffers hold
+
+    def fill(self, cu_seqlens: torch.Tensor) -> None:
+        """The lengths and offsets of `cu_seqlens`, unless this forward already filled them from it
+        (`models.attention.one_forward`: the blocks of one forward share their boundaries)."""
+        from models.attention import forward_token
+
+        token = forward_token()
+        held = self.filled_from
+        if (token is not None and held is not None and held[0] is token and held[1]() is cu_seqlens
+                and held[2] == cu_seqlens._version):
+            return
+        fill_ragged_metadata(cu_seqlens, self.seq_len, self.offsets, self.row_strides)
+        self.filled_from = None if token is None else (token, weakref.ref(cu_seqlens), cu_seqlens._version)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         n, h, d = q.shape
         out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
         if n == 0:
             return out
-        fill_ragged_metadata(cu_seqlens, self.seq_len, self.offsets, self.row_strides)
+        self.fill(cu_seqlens)
         pack = dict(self.pack)
         pack.update({_Q: q.data_ptr(), _K: k.data_ptr(), _V: v.data_ptr(), _O: out.data_ptr()})
         stream = torch.cuda.current_stream(self.device).cuda_stream  # the capture stream while capturing

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.attention import SHORT_SEQLEN
+from models.attention import SHORT_SEQLEN, one_forward
 from models.config import ProcessorConfig
 from models.family import Dims, Family
 from models.kernels import add_norm
@@ -72,6 +72,10 @@ class TowerBase(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with one_forward():
+            return super().__call__(*args, **kwargs)
 
     def block_stack(self) -> Sequence[nn.Module]:
         """The transformer blocks, input side first (models/quantization.py can keep the first ones in bf16)."""

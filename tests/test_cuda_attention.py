@@ -121,6 +121,47 @@ def test_captured_graph_reads_new_boundaries(backend: str, dim: int) -> None:
         assert torch.equal(got, eager), lengths  # the same kernel on the same data: bit-identical
 
 
+def test_one_forward_fills_the_lengths_once_per_boundaries_and_a_capture_refills(monkeypatch) -> None:
+    """Within one tower forward (`one_forward`) cuDNN's lengths and offsets are computed at the first call
+    on a `cu_seqlens` and reused by the next calls on it; another tensor sharing the plan (Qwen2.5-VL's
+    windows beside its full layers) refills them, and so does its next call. Captured the same way, every
+    replay recomputes them from the replayed boundaries: each call matches the eager call on its own."""
+    need("cudnn")
+    from models import attention_cudnn
+    from models.attention import one_forward
+
+    fills = []
+    real_fill = attention_cudnn.fill_ragged_metadata
+    monkeypatch.setattr(attention_cudnn, "fill_ragged_metadata", lambda cu, *a: (fills.append(cu), real_fill(cu, *a)))
+    q, k, v = inputs(ROWS, 80, seed=2)
+    cu = torch.tensor(bounds_of(LAYOUTS[0], SLOTS), dtype=torch.int32, device=DEV)
+    other = torch.tensor(bounds_of(LAYOUTS[1], SLOTS), dtype=torch.int32, device=DEV)
+
+    def blocks(order):
+        with one_forward():
+            return [packed_attention("cudnn", q, k, v, bounds, MAX).clone() for bounds in order]
+
+    blocks([cu, cu, cu])
+    assert len(fills) == 1
+    fills.clear()
+    blocks([cu, other, cu])
+    assert len(fills) == 3
+    fills.clear()
+    packed_attention("cudnn", q, k, v, cu, MAX)
+    packed_attention("cudnn", q, k, v, cu, MAX)
+    assert len(fills) == 2  # outside a forward every call computes its own
+    order = [cu, cu, other, cu]
+    graph, outs = capture(lambda: blocks(order))
+    for a, b in [(LAYOUTS[1], LAYOUTS[0]), (LAYOUTS[2], LAYOUTS[1]), (LAYOUTS[0], LAYOUTS[2])]:
+        cu.copy_(torch.tensor(bounds_of(a, SLOTS), dtype=torch.int32))
+        other.copy_(torch.tensor(bounds_of(b, SLOTS), dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, bounds in zip(outs, order):
+            eager = packed_attention("cudnn", q, k, v, bounds, MAX)
+            assert torch.equal(got[: int(bounds[-1])], eager[: int(bounds[-1])]), (a, b)
+
+
 def windows_of(*frames: tuple[int, int]) -> list[int]:
     """Qwen2.5-VL's window lengths (8 x 8 patches, smaller at the edges) of frames of h x w patches."""
     from models.windows import window_layout
