@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -130,9 +131,24 @@ def one_forward() -> Iterator[None]:
         _forward.token = outer
 
 
-def forward_token() -> object | None:
-    """The current `one_forward`'s identity; None outside one (every call then computes its own)."""
-    return getattr(_forward, "token", None)
+class PerForward:
+    """Remembers which `cu_seqlens` tensor a backend's derived buffers were last filled from within the
+    current `one_forward`. Within one forward the boundaries never change in place; outside one, nothing
+    is remembered."""
+
+    def __init__(self) -> None:
+        self._held: tuple[object, weakref.ref] | None = None
+
+    def filled(self, cu_seqlens: torch.Tensor) -> bool:
+        """Whether the buffers already hold what `cu_seqlens` gives, in this forward."""
+        token = getattr(_forward, "token", None)
+        held = self._held
+        return token is not None and held is not None and held[0] is token and held[1]() is cu_seqlens
+
+    def fill(self, cu_seqlens: torch.Tensor) -> None:
+        """Record that the buffers were just filled from `cu_seqlens`."""
+        token = getattr(_forward, "token", None)
+        self._held = None if token is None else (token, weakref.ref(cu_seqlens))
 
 
 def kernel_for(backend: str, short: bool = False) -> str:

@@ -22,11 +22,12 @@ without it, or without a GPU, `available()` says why.
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from models.attention import PerForward
 
 _DTYPES = ("bfloat16", "float16")
 PYTHON_ENGINES = "sdpa_fwd_prefill"  # name prefix of cudnn-frontend's Python SDPA engines
@@ -273,20 +274,14 @@ class CudnnPlan:
             _OFF_Q: row[key.q_strides[0]], _OFF_K: row[key.k_strides[0]], _OFF_V: row[key.v_strides[0]],
             _OFF_O: row[key.heads * key.head_dim],
         }
-        self.filled_from: tuple | None = None  # (forward, cu_seqlens, its version) the buffers hold
+        self.filled_from = PerForward()
 
     def fill(self, cu_seqlens: torch.Tensor) -> None:
         """The lengths and offsets of `cu_seqlens`, unless this forward already filled them from it
         (`models.attention.one_forward`: the blocks of one forward share their boundaries)."""
-        from models.attention import forward_token
-
-        token = forward_token()
-        held = self.filled_from
-        if (token is not None and held is not None and held[0] is token and held[1]() is cu_seqlens
-                and held[2] == cu_seqlens._version):
-            return
-        fill_ragged_metadata(cu_seqlens, self.seq_len, self.offsets, self.row_strides)
-        self.filled_from = None if token is None else (token, weakref.ref(cu_seqlens), cu_seqlens._version)
+        if not self.filled_from.filled(cu_seqlens):
+            fill_ragged_metadata(cu_seqlens, self.seq_len, self.offsets, self.row_strides)
+            self.filled_from.fill(cu_seqlens)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         n, h, d = q.shape

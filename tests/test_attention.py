@@ -317,3 +317,26 @@ def interpreted() -> dict:
 
 def test_ragged_metadata_kernel_matches_torch(interpreted: dict) -> None:
     assert interpreted["metadata"] is True
+
+
+def test_per_forward_memory_holds_only_within_one_forward_and_one_tensor():
+    """What lets cuDNN's lengths and offsets be computed once per forward: remembered for the tensor they
+    came from, within the `one_forward` that filled them, never outside one (inference tensors included:
+    the towers run under inference_mode)."""
+    from models.attention import PerForward, one_forward
+
+    memo = PerForward()
+    with torch.inference_mode():
+        cu, other = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+        memo.fill(cu)
+        assert not memo.filled(cu)  # outside a forward nothing is remembered
+        with one_forward():
+            assert not memo.filled(cu)
+            memo.fill(cu)
+            assert memo.filled(cu) and not memo.filled(other)  # the same values in another tensor: not it
+            with one_forward():  # a nested forward (a tower inside a tower) starts afresh
+                assert not memo.filled(cu)
+            memo.fill(other)
+            assert memo.filled(other) and not memo.filled(cu)
+        with one_forward():  # the next forward (or a capture after its warm-up) fills again
+            assert not memo.filled(other)

@@ -138,7 +138,7 @@ def test_one_forward_fills_the_lengths_once_per_boundaries_and_a_capture_refills
     other = torch.tensor(bounds_of(LAYOUTS[1], SLOTS), dtype=torch.int32, device=DEV)
 
     def blocks(order):
-        with one_forward():
+        with one_forward(), torch.inference_mode():  # as a tower runs
             return [packed_attention("cudnn", q, k, v, bounds, MAX).clone() for bounds in order]
 
     blocks([cu, cu, cu])
