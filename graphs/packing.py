@@ -8,10 +8,10 @@ then replays in the smallest budget that holds it. Items no graph can hold run e
 
 A replay costs its whole budget, so a batch just over a budget (nine 256-token images in a 4096
 budget) wastes nearly half of it. Given the engine's measured costs (`CostModel`, from
-`GraphRunner.calibrate`), a batch is split into parts that fill smaller budgets when their budgets plus
-one replay overhead each cost less than the one padded replay (nine images become a 2048 and a 256
-replay), and a batch still mostly padding runs eagerly when that costs less than its replay (reason
-"padding"). A batch whose graph failed to capture runs eagerly too ("capture_failed").
+`GraphRunner.calibrate`), a batch is split into parts that fill smaller budgets when their replays cost
+less than the one padded replay (nine images become a 2048 and a 256 replay), and a batch still mostly
+padding runs eagerly when that costs less than its replay (reason "padding"). A batch whose graph failed
+to capture runs eagerly too ("capture_failed").
 """
 
 from __future__ import annotations
@@ -55,12 +55,53 @@ class Batch:
 
 @dataclass(frozen=True)
 class CostModel:
-    """One engine's costs, measured at start-up: what a replay costs beyond its budget's GPU time, in
-    tokens of GPU time, and below how many patches an eager forward costs its kernel launches rather
-    than its arithmetic. Eager costs max(patches, launch_bound_patches); a replay its budget's patches."""
+    """One engine's costs as measured at start-up (seconds, or any one unit): a replay of each budget, and
+    eager forwards at a few token counts. Between measured points a cost is interpolated; below the first,
+    it is the first point's (a small eager forward costs its kernel launches, not its arithmetic); above
+    the last, it grows by the largest replays' cost per token (the same kernels, bound by the GPU)."""
 
-    replay_overhead_tokens: float
-    launch_bound_patches: float = float("inf")
+    replays: tuple[tuple[int, float], ...]  # (budget, cost of one replay), budgets ascending
+    eager: tuple[tuple[int, float], ...]  # (tokens, cost of one eager forward), tokens ascending
+
+    def __post_init__(self) -> None:
+        if not self.replays or not self.eager:
+            raise ValueError("a cost model needs at least one replay and one eager measurement")
+
+    def replay_cost(self, budget: int) -> float:
+        return _interpolate(self.replays, budget, self._slope())
+
+    def eager_cost(self, tokens: int) -> float:
+        return _interpolate(self.eager, tokens, self._slope())
+
+    def _slope(self) -> float:
+        """Cost per token of the largest replays: what more tokens cost once the GPU, not the host, binds."""
+        if len(self.replays) < 2:
+            budget, cost = self.replays[0]
+            return cost / budget
+        (b0, c0), (b1, c1) = self.replays[-2:]
+        return max(c1 - c0, 0.0) / (b1 - b0)
+
+    @classmethod
+    def linear(cls, budgets: Sequence[int], replay_overhead_tokens: float,
+               launch_bound_tokens: float = float("inf")) -> CostModel:
+        """Costs in tokens: a replay its budget plus a fixed overhead, an eager forward its tokens but at
+        least `launch_bound_tokens` (infinite: never eager for padding)."""
+        floor = max(launch_bound_tokens, 1.0)
+        eager = ((1, floor),) if floor == float("inf") else ((int(floor), floor), (int(floor) + 1, floor + 1))
+        replays = tuple((b, b + replay_overhead_tokens) for b in sorted(budgets))
+        if len(replays) == 1:  # the slope beyond it: one per token
+            replays += ((replays[0][0] + 1, replays[0][1] + 1),)
+        return cls(replays, eager)
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: int, slope: float) -> float:
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    x_last, y_last = points[-1]
+    return y_last + slope * (x - x_last)
 
 
 PADDING_MARGIN = 0.95  # eager must beat the replay by 5%: the graph wins ties
@@ -135,12 +176,11 @@ class _Group:
         return _fit(batch, self.plan, self.modality, self.length_class)
 
     def price(self, batch: Batch) -> float:
-        """GPU time of a batch in tokens: its budget plus one replay overhead, or its own tokens (at least
-        the launch-bound floor) when it runs eagerly."""
+        """What a batch costs: its budget's replay, or an eager forward of its own tokens."""
         assert self.cost is not None and batch.key is not None
         if batch.reason == "padding":
-            return max(batch.tokens, self.cost.launch_bound_patches / self.plan.merge_unit)
-        return batch.key.budget + self.cost.replay_overhead_tokens
+            return self.cost.eager_cost(batch.tokens)
+        return self.cost.replay_cost(batch.key.budget)
 
     def close(self, members: list[int]) -> list[Batch]:
         """The cheapest way to run these items: one replay in the smallest budget that holds them;

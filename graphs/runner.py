@@ -5,6 +5,7 @@ This is what `vitserve encode` and the server's engine loop call. It knows nothi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -86,7 +87,7 @@ class GraphRunner:
         """Capture every key of the plan (see `GraphPool.capture`), then `calibrate` on the graphs."""
         if self.use_graphs:
             self.pool.capture(self.plan.keys(self.modalities), stop_at_out_of_memory)
-            if calibrate:
+            if calibrate and self.device.type == "cuda":  # the CPU's fixed-shape keys are not worth weighing
                 self.calibrate()
         else:
             self.stats.graph_mode, self.stats.no_graphs_reason = "off", "graphs disabled (--eager)"
@@ -101,47 +102,62 @@ class GraphRunner:
         return f"capturing {keys} CUDA graphs"
 
     def calibrate(self) -> None:
-        """Measure what a replay costs beyond its budget's GPU time, and when an eager forward costs its
-        launches rather than its arithmetic (see `CostModel`). A small eager forward measures the launch
-        cost; a full batch replayed measures the GPU time per patch; a small replay, the fixed overhead.
-        Only CUDA graphs are calibrated: without any, there is no replay to weigh."""
-        if self.device.type != "cuda" or not self.pool.graphs:
+        """Measure what the packing weighs (see `CostModel`): a replay of each budget, full of small
+        frames, and eager forwards of one and of eight mid-sized frames (a 32x32-patch frame, a
+        typical image). Eager time is the median of its runs (it is bound by the host, whose noise is part
+        of its price); a replay's the fastest. Without graphs there is no replay to weigh; `capture` calibrates
+        on CUDA only. Calibration runs no eager forward larger than eight frames: under a memory cap
+        the graphs' pool leaves no room for a large one's activations."""
+        if not self.pool.graphs:
             return
         merge = self.tower.merge
-        side = 16 * merge  # a 32x32-patch frame, a typical mid-sized image
-        pixels = np.random.default_rng(0).integers(0, 256, (side * side, self.tower.processor.patch_dim), np.uint8)
-        frame = VisualInput("image", pixels, (1, side, side))  # random, not zeros: zeros time faster
-        count = max(1, min(self.plan.max_items, self.plan.max_budget // frame.num_tokens(merge)))
-        small, big = [frame], [frame] * count
+        rng = np.random.default_rng(0)
 
-        def timed(fn, reps: int = 5) -> float:
-            """The fastest of `reps` synchronised runs: the least disturbed by the host."""
-            fn()
-            best = float("inf")
+        def sync() -> None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        @functools.cache
+        def frame(rows: int, cols: int) -> VisualInput:
+            """An image of rows x cols tokens, random pixels (zeros time faster)."""
+            h, w = rows * merge, cols * merge
+            pixels = rng.integers(0, 256, (h * w, self.tower.processor.patch_dim), np.uint8)
+            return VisualInput("image", pixels, (1, h, w))
+
+        def filling(budget: int) -> list[VisualInput]:
+            """Exactly `budget` tokens in frames of 33 to 64 tokens (one length class; strips two tokens high)."""
+            count = -(-budget // 64)
+            sizes = [budget // count + (1 if i < budget % count else 0) for i in range(count)]
+            return [frame(2, t // 2) if t % 2 == 0 else frame(1, t) for t in sizes]
+
+        def timed(items: list[VisualInput], force_eager: bool, reps: int) -> float:
+            self._run_all(items, force_eager)  # warm: plans, autotuning, allocator
+            runs = []
             for _ in range(reps):
-                torch.cuda.synchronize(self.device)
+                sync()
                 start = time.perf_counter()
-                fn()
-                torch.cuda.synchronize(self.device)
-                best = min(best, time.perf_counter() - start)
-            return best
+                self._run_all(items, force_eager)
+                sync()
+                runs.append(time.perf_counter() - start)
+            return min(runs) if not force_eager else float(np.median(runs))
 
         stats = self.stats.as_dict()
-        self.cost = None
-        graph_small = timed(lambda: self._run_all(small, force_eager=False))
-        eager_small = timed(lambda: self._run_all(small, force_eager=True))
-        big_batches = self.pack_items(big)
-        graph_big = timed(lambda: self._run_all(big, force_eager=False), reps=3)
-        budget_patches = sum(b.key.budget for b in big_batches if b.key) * self.plan.merge_unit
-        per_patch = graph_big / max(budget_patches, 1)
-        small_key = self.pack_items(small)[0].key
-        if per_patch > 0 and small_key is not None:
-            per_token = per_patch * self.plan.merge_unit
-            self.cost = CostModel(replay_overhead_tokens=max(0.0, graph_small / per_token - small_key.budget),
-                                  launch_bound_patches=eager_small / per_patch)
+        self.cost = None  # packing without costs: one replay per batch, in the smallest budget holding it
+        mid = frame(16, 16)
+        replays = []
+        for budget in self.plan.budgets:
+            items = filling(budget)
+            batches = self.pack_items(items)
+            if len(batches) == 1 and batches[0].replays and batches[0].key.budget == budget:
+                replays.append((budget, timed(items, False, reps=3)))
+        top = max(1, min(8, self.plan.max_items, self.plan.max_budget // mid.num_tokens(merge)))
+        eager = [(len(batch) * mid.num_tokens(merge), timed(batch, True, reps=5))
+                 for batch in ([mid], [mid] * top)[: 2 if top > 1 else 1]]
         self.stats.reset_to(stats)  # calibration runs are not traffic
-        log.info("calibration: small batch %.2f ms eager, %.2f ms replayed; %.3f us per patch; %s", eager_small * 1e3,
-                 graph_small * 1e3, per_patch * 1e6, self.cost)
+        if replays:
+            self.cost = CostModel(tuple(replays), tuple(eager))
+        log.info("calibration (ms): replays %s; eager %s", ", ".join(f"b{b} {c * 1e3:.2f}" for b, c in replays),
+                 ", ".join(f"{t} tokens {c * 1e3:.2f}" for t, c in eager))
 
     def _run_all(self, items: Sequence[VisualInput], force_eager: bool) -> None:
         for batch in self.pack_items(items):

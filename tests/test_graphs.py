@@ -96,7 +96,7 @@ def replay_cost(batches, overhead):
        st.sampled_from([None, 0.0, 48.0, 1000.0]))
 def test_packing_properties(items, max_tokens, max_items, overhead):
     plan = BudgetPlan.create(max_batch_tokens=max_tokens, max_items=min(max_items, 64))
-    cost = None if overhead is None else CostModel(overhead)
+    cost = None if overhead is None else CostModel.linear(plan.budgets, overhead)
     batches = pack(items, plan, cost)
     seen = sorted(i for b in batches for i in b.items)
     assert seen == list(range(len(items)))  # every item exactly once
@@ -130,7 +130,7 @@ def test_packing_properties(items, max_tokens, max_items, overhead):
 def test_a_batch_just_over_a_budget_is_split_when_that_costs_less(count, overhead, budgets):
     plan = BudgetPlan.create(max_batch_tokens=16384, budgets=POWERS_OF_TWO)
     items = [PackItem(256, "image", 1, 1024)] * count
-    batches = pack(items, plan, None if overhead is None else CostModel(overhead))
+    batches = pack(items, plan, None if overhead is None else CostModel.linear(plan.budgets, overhead))
     assert [b.key.budget for b in batches] == budgets
     assert sorted(i for b in batches for i in b.items) == list(range(count))
 
@@ -175,7 +175,7 @@ def test_results_come_back_in_caller_order_and_match_eager(runner):
 
 def test_split_batches_match_eager(runner):
     items = make_items(runner.tower, [(1, 8, 8)] * 8 + [(1, 4, 8), (1, 12, 8)], seed=3)  # 136 + 24 tokens
-    runner.cost = CostModel(replay_overhead_tokens=0.0)
+    runner.cost = CostModel.linear(runner.plan.budgets, replay_overhead_tokens=0.0)
     try:
         batches = runner.pack_items(items)
         outs = runner.encode(items)
@@ -189,7 +189,7 @@ def test_split_batches_match_eager(runner):
 def test_padding_rule_sends_mostly_padded_batches_eagerly(runner):
     items = make_items(runner.tower, [(1, 8, 8)] * 3)  # 48 tokens in a 64-token graph
     assert runner.pack_items(items)[0].reason is None  # no measured costs (the CPU): every batch replays
-    runner.cost = CostModel(replay_overhead_tokens=0.0, launch_bound_patches=0)  # eager costs its patches only
+    runner.cost = CostModel.linear(runner.plan.budgets, 0.0, launch_bound_tokens=0)  # eager costs its tokens only
     try:
         batch = runner.pack_items(items)[0]
         assert (batch.reason, batch.key.budget) == ("padding", 64)
@@ -421,7 +421,7 @@ def test_a_split_with_an_eager_part_loses_to_one_eager_pass_when_that_costs_less
     replay of 83 Qwen3-VL 224x224 images and an eager pass of 45: 52.6 ms, one eager pass 52.2 ms); a
     replay of everything still wins its ties."""
     plan = BudgetPlan.create(max_batch_tokens=16384, max_items=256, budgets=POWERS_OF_TWO)
-    cost = CostModel(replay_overhead_tokens=92.0, launch_bound_patches=5000.0)
+    cost = CostModel.linear(plan.budgets, replay_overhead_tokens=92.0, launch_bound_tokens=1250.0)
     large = PackItem(1296, "image", 1, 5184)
     batches = pack([large] * 8, plan, cost)
     assert [(b.key.budget, len(b.items), b.reason) for b in batches] == [(16384, 8, "padding")]
@@ -431,3 +431,48 @@ def test_a_split_with_an_eager_part_loses_to_one_eager_pass_when_that_costs_less
     small = PackItem(64, "image", 1, 256)  # 128 of them fill 8192 tokens: the replay is all of it
     batches = pack([small] * 128, plan, cost)
     assert [(b.key.budget, len(b.items), b.reason) for b in batches] == [(8192, 128, None)]
+
+
+def test_measured_costs_interpolate_and_extend_by_the_largest_replays_slope():
+    cost = CostModel(replays=((64, 2.0), (128, 3.0), (256, 5.0)), eager=((256, 12.0), (2048, 16.0)))
+    assert cost.replay_cost(64) == 2.0 and cost.replay_cost(96) == 2.5 and cost.replay_cost(32) == 2.0
+    assert cost.replay_cost(512) == 5.0 + 256 * (2.0 / 128)  # beyond: the last two replays' cost per token
+    assert cost.eager_cost(1) == 12.0  # a small eager forward costs its launches
+    assert cost.eager_cost(1152) == 14.0
+    assert cost.eager_cost(4096) == 16.0 + 2048 * (2.0 / 128)
+    with pytest.raises(ValueError):
+        CostModel(replays=(), eager=((1, 1.0),))
+
+
+def test_padding_goes_eager_only_when_the_measured_eager_forward_is_cheaper():
+    """32 Qwen3-VL 224x224 images (1568 tokens) with budgets in quarter steps, costs as an H200 measured
+    them (ms): the 1792 replay (about 14.6) beats an eager forward of 1568 tokens, bound by its host
+    (13 ms for one frame, 16 for eight). The linear model this replaced priced that eager forward below
+    the replay, and the batch ran eagerly (16.1 ms against 13.4 for a replay of exactly its tokens)."""
+    plan = BudgetPlan.create(max_batch_tokens=16384, steps_per_octave=4)
+    replays = ((1536, 13.0), (1792, 14.6), (2048, 16.4), (16384, 104.0))
+    cost = CostModel(replays, eager=((256, 13.0), (2048, 16.0)))
+    batches = pack([PackItem(49, "image", 1, 196)] * 32, plan, cost)
+    assert [(b.key.budget, b.reason) for b in batches] == [(1792, None)]
+    # An eager forward that costs less than the padded replay by the margin wins it.
+    cheap = CostModel(replays, eager=((256, 5.0), (2048, 12.0)))
+    batches = pack([PackItem(49, "image", 1, 196)] * 32, plan, cheap)
+    assert [(b.key.budget, b.reason) for b in batches] == [(1792, "padding")]
+
+
+def test_calibration_times_a_full_replay_of_every_budget_and_two_eager_forwards():
+    """On the CPU's fixed-shape keys (which `capture` leaves uncalibrated): the frames that fill each budget
+    replay in exactly that budget, in quarter steps too, and the model then prices every batch."""
+    tower = load_tower("tiny-qwen3-vl", device="cpu", dtype="float32")
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=512, steps_per_octave=4), modalities=("image",))
+    runner.capture()
+    assert runner.cost is None
+    before = runner.stats.as_dict()
+    runner.calibrate()
+    assert runner.cost is not None
+    assert [b for b, _ in runner.cost.replays] == list(runner.plan.budgets)
+    assert all(c > 0 for _, c in runner.cost.replays)
+    assert [t for t, _ in runner.cost.eager] == [256, 512]
+    assert runner.stats.as_dict() == before  # calibration is not traffic
+    items = make_items(tower, [(1, 2 * tower.merge, 2 * tower.merge)] * 3)
+    assert [it for b in runner.pack_items(items) for it in b.items] == [0, 1, 2]
