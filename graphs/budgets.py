@@ -31,9 +31,9 @@ def auto_budgets(max_batch_tokens: int, smallest: int = 64, steps_per_octave: in
 
     A replay costs its whole budget: between powers of two a batch pays up to twice its tokens, and common
     image sizes of 32-pixel tokens fall just past one (a 448x448 image is 196 tokens: its replay in 256 took
-    3.44 ms, in 196 3.19; 32 of 224x224, 1568 tokens, ran eagerly in 18.1 ms rather than pad to 2048, and
-    replayed in 1568 in 13.9; H200, Qwen3-VL-8B). Four steps bound the padding to 25%, for about four times
-    the graphs to capture."""
+    3.39 ms, in 224 3.27, in 196 3.12; 32 of 224x224, 1568 tokens: 16.2 ms split over 1024, 512 and 128,
+    15.4 in 1792, 14.0 in 1568; H200, Qwen3-VL-8B). Four steps bound the padding to 25%, for about four times
+    the graphs to capture (243 image graphs in 18-26 s against 63 in 6-13 s, in the same pool memory)."""
     budgets = []
     b = smallest
     while b < max_batch_tokens:
