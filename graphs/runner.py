@@ -112,6 +112,7 @@ class GraphRunner:
             return
         merge = self.tower.merge
         rng = np.random.default_rng(0)
+        modality = "image" if "image" in self.modalities else self.modalities[0]  # a one-frame video otherwise
 
         def sync() -> None:
             if self.device.type == "cuda":
@@ -122,7 +123,7 @@ class GraphRunner:
             """An image of rows x cols tokens, random pixels (zeros time faster)."""
             h, w = rows * merge, cols * merge
             pixels = rng.integers(0, 256, (h * w, self.tower.processor.patch_dim), np.uint8)
-            return VisualInput("image", pixels, (1, h, w))
+            return VisualInput(modality, pixels, (1, h, w))
 
         def filling(budget: int) -> list[VisualInput]:
             """Exactly `budget` tokens in frames of 33 to 64 tokens (one length class; strips two tokens high)."""
@@ -148,7 +149,8 @@ class GraphRunner:
         for budget in self.plan.budgets:
             items = filling(budget)
             batches = self.pack_items(items)
-            if len(batches) == 1 and batches[0].replays and batches[0].key.budget == budget:
+            key = batches[0].key
+            if len(batches) == 1 and batches[0].replays and key in self.pool.graphs and key.budget == budget:
                 replays.append((budget, timed(items, False, reps=3)))
         top = max(1, min(8, self.plan.max_items, self.plan.max_budget // mid.num_tokens(merge)))
         eager = [(len(batch) * mid.num_tokens(merge), timed(batch, True, reps=5))

@@ -476,3 +476,13 @@ def test_calibration_times_a_full_replay_of_every_budget_and_two_eager_forwards(
     assert runner.stats.as_dict() == before  # calibration is not traffic
     items = make_items(tower, [(1, 2 * tower.merge, 2 * tower.merge)] * 3)
     assert [it for b in runner.pack_items(items) for it in b.items] == [0, 1, 2]
+
+
+def test_a_video_only_runner_calibrates_on_its_video_graphs():
+    """Without image graphs, image frames would all run eagerly and be timed as if they were replays."""
+    tower = load_tower("tiny-qwen3-vl", device="cpu", dtype="float32")
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("video",))
+    runner.capture()
+    runner.calibrate()
+    assert runner.cost is not None
+    assert [b for b, _ in runner.cost.replays] == list(runner.plan.budgets)  # each timed on its video graph
