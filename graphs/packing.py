@@ -58,7 +58,7 @@ class CostModel:
     """One engine's costs as measured at start-up (seconds, or any one unit): a replay of each budget, and
     eager forwards at a few token counts. Between measured points a cost is interpolated; below the first,
     it is the first point's (a small eager forward costs its kernel launches, not its arithmetic); above
-    the last, it grows by the largest replays' cost per token (the same kernels, bound by the GPU)."""
+    the last, it grows by the largest replay's cost per token (the same kernels, bound by the GPU)."""
 
     replays: tuple[tuple[int, float], ...]  # (budget, cost of one replay), budgets ascending
     eager: tuple[tuple[int, float], ...]  # (tokens, cost of one eager forward), tokens ascending
@@ -74,12 +74,10 @@ class CostModel:
         return _interpolate(self.eager, tokens, self._slope())
 
     def _slope(self) -> float:
-        """Cost per token of the largest replays: what more tokens cost once the GPU, not the host, binds."""
-        if len(self.replays) < 2:
-            budget, cost = self.replays[0]
-            return cost / budget
-        (b0, c0), (b1, c1) = self.replays[-2:]
-        return max(c1 - c0, 0.0) / (b1 - b0)
+        """Cost per token of the largest replay: what more tokens cost once the GPU, not the host, binds (its
+        average, not the difference to the next budget down, which two close budgets would make noise)."""
+        budget, cost = self.replays[-1]
+        return cost / budget
 
     @classmethod
     def linear(cls, budgets: Sequence[int], replay_overhead_tokens: float,
@@ -88,10 +86,7 @@ class CostModel:
         least `launch_bound_tokens` (infinite: never eager for padding)."""
         floor = max(launch_bound_tokens, 1.0)
         eager = ((1, floor),) if floor == float("inf") else ((int(floor), floor), (int(floor) + 1, floor + 1))
-        replays = tuple((b, b + replay_overhead_tokens) for b in sorted(budgets))
-        if len(replays) == 1:  # the slope beyond it: one per token
-            replays += ((replays[0][0] + 1, replays[0][1] + 1),)
-        return cls(replays, eager)
+        return cls(tuple((b, b + replay_overhead_tokens) for b in sorted(budgets)), eager)
 
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: int, slope: float) -> float:

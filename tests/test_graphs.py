@@ -433,13 +433,13 @@ def test_a_split_with_an_eager_part_loses_to_one_eager_pass_when_that_costs_less
     assert [(b.key.budget, len(b.items), b.reason) for b in batches] == [(8192, 128, None)]
 
 
-def test_measured_costs_interpolate_and_extend_by_the_largest_replays_slope():
+def test_measured_costs_interpolate_and_extend_by_the_largest_replays_cost_per_token():
     cost = CostModel(replays=((64, 2.0), (128, 3.0), (256, 5.0)), eager=((256, 12.0), (2048, 16.0)))
     assert cost.replay_cost(64) == 2.0 and cost.replay_cost(96) == 2.5 and cost.replay_cost(32) == 2.0
-    assert cost.replay_cost(512) == 5.0 + 256 * (2.0 / 128)  # beyond: the last two replays' cost per token
+    assert cost.replay_cost(512) == 5.0 + 256 * (5.0 / 256)  # beyond: the largest replay's cost per token
     assert cost.eager_cost(1) == 12.0  # a small eager forward costs its launches
     assert cost.eager_cost(1152) == 14.0
-    assert cost.eager_cost(4096) == 16.0 + 2048 * (2.0 / 128)
+    assert cost.eager_cost(4096) == 16.0 + 2048 * (5.0 / 256)
     with pytest.raises(ValueError):
         CostModel(replays=(), eager=((1, 1.0),))
 
