@@ -120,7 +120,7 @@ class GraphRunner:
 
         @functools.cache
         def frame(rows: int, cols: int) -> VisualInput:
-            """An image of rows x cols tokens, random pixels (zeros time faster)."""
+            """One frame of rows x cols tokens, random pixels (zeros time faster)."""
             h, w = rows * merge, cols * merge
             pixels = rng.integers(0, 256, (h * w, self.tower.processor.patch_dim), np.uint8)
             return VisualInput(modality, pixels, (1, h, w))
