@@ -1,6 +1,7 @@
 """What padding a batch to its graph's budget costs: one workload replayed in the budget the packing picks
 with powers of two, with `--budget-steps 4`, and with a budget of exactly its tokens; each with its batches,
-the host time of one `encode`, and the kernel table of one replay (torch.profiler).
+the host time of one `encode`, the calibrated costs the packing weighed, and the kernel table of one replay
+(torch.profiler).
 
     python3 tools/padding_probe.py OUT.txt [MODEL] [WORKLOAD ...]   # defaults: random:qwen3-vl-8b 1x448 32x224
 
@@ -57,7 +58,10 @@ def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str) -> None:
                            floor_ms=round(floor, 3), over_floor=round(ms / floor, 3), host_ms=round(host_ms, 3),
                            kernel_ms=round(sum(e.self_device_time_total for e in events) / 1e3, 3),
                            batches=[(str(b.key), b.reason, b.tokens) for b in runner.pack_items(items)],
-                           image_graphs=len(runner.pool.graphs), capture_s=round(capture_s, 1))
+                           image_graphs=len(runner.pool.graphs), capture_s=round(capture_s, 1),
+                           calibration_ms=None if runner.cost is None else {  # what the packing weighed
+                               kind: [(n, round(c * 1e3, 2)) for n, c in points]
+                               for kind, points in (("replays", runner.cost.replays), ("eager", runner.cost.eager))})
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")
                 out.write(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60) + "\n")
