@@ -79,15 +79,6 @@ class CostModel:
         budget, cost = self.replays[-1]
         return cost / budget
 
-    @classmethod
-    def linear(cls, budgets: Sequence[int], replay_overhead_tokens: float,
-               launch_bound_tokens: float = float("inf")) -> CostModel:
-        """Costs in tokens: a replay its budget plus a fixed overhead, an eager forward its tokens but at
-        least `launch_bound_tokens` (infinite: never eager for padding)."""
-        floor = max(launch_bound_tokens, 1.0)
-        eager = ((1, floor),) if floor == float("inf") else ((int(floor), floor), (int(floor) + 1, floor + 1))
-        return cls(tuple((b, b + replay_overhead_tokens) for b in sorted(budgets)), eager)
-
 
 def _interpolate(points: tuple[tuple[int, float], ...], x: int, slope: float) -> float:
     if x <= points[0][0]:

@@ -87,6 +87,14 @@ item_strategy = st.builds(
 )
 
 
+def linear_costs(budgets, replay_overhead_tokens: float, launch_bound_tokens: float = float("inf")) -> CostModel:
+    """Costs in tokens: a replay its budget plus a fixed overhead, an eager forward its tokens but at least
+    `launch_bound_tokens` (infinite: never eager for padding)."""
+    floor = max(launch_bound_tokens, 1.0)
+    eager = ((1, floor),) if floor == float("inf") else ((int(floor), floor), (int(floor) + 1, floor + 1))
+    return CostModel(tuple((b, b + replay_overhead_tokens) for b in sorted(budgets)), eager)
+
+
 def replay_cost(batches, overhead):
     return sum(b.key.budget + overhead for b in batches if b.key is not None)
 
@@ -96,7 +104,7 @@ def replay_cost(batches, overhead):
        st.sampled_from([None, 0.0, 48.0, 1000.0]))
 def test_packing_properties(items, max_tokens, max_items, overhead):
     plan = BudgetPlan.create(max_batch_tokens=max_tokens, max_items=min(max_items, 64))
-    cost = None if overhead is None else CostModel.linear(plan.budgets, overhead)
+    cost = None if overhead is None else linear_costs(plan.budgets, overhead)
     batches = pack(items, plan, cost)
     seen = sorted(i for b in batches for i in b.items)
     assert seen == list(range(len(items)))  # every item exactly once
@@ -130,7 +138,7 @@ def test_packing_properties(items, max_tokens, max_items, overhead):
 def test_a_batch_just_over_a_budget_is_split_when_that_costs_less(count, overhead, budgets):
     plan = BudgetPlan.create(max_batch_tokens=16384, budgets=POWERS_OF_TWO)
     items = [PackItem(256, "image", 1, 1024)] * count
-    batches = pack(items, plan, None if overhead is None else CostModel.linear(plan.budgets, overhead))
+    batches = pack(items, plan, None if overhead is None else linear_costs(plan.budgets, overhead))
     assert [b.key.budget for b in batches] == budgets
     assert sorted(i for b in batches for i in b.items) == list(range(count))
 
@@ -175,7 +183,7 @@ def test_results_come_back_in_caller_order_and_match_eager(runner):
 
 def test_split_batches_match_eager(runner):
     items = make_items(runner.tower, [(1, 8, 8)] * 8 + [(1, 4, 8), (1, 12, 8)], seed=3)  # 136 + 24 tokens
-    runner.cost = CostModel.linear(runner.plan.budgets, replay_overhead_tokens=0.0)
+    runner.cost = linear_costs(runner.plan.budgets, replay_overhead_tokens=0.0)
     try:
         batches = runner.pack_items(items)
         outs = runner.encode(items)
@@ -189,7 +197,7 @@ def test_split_batches_match_eager(runner):
 def test_padding_rule_sends_mostly_padded_batches_eagerly(runner):
     items = make_items(runner.tower, [(1, 8, 8)] * 3)  # 48 tokens in a 64-token graph
     assert runner.pack_items(items)[0].reason is None  # no measured costs (the CPU): every batch replays
-    runner.cost = CostModel.linear(runner.plan.budgets, 0.0, launch_bound_tokens=0)  # eager costs its tokens only
+    runner.cost = linear_costs(runner.plan.budgets, 0.0, launch_bound_tokens=0)  # eager costs its tokens only
     try:
         batch = runner.pack_items(items)[0]
         assert (batch.reason, batch.key.budget) == ("padding", 64)
@@ -421,7 +429,7 @@ def test_a_split_with_an_eager_part_loses_to_one_eager_pass_when_that_costs_less
     replay of 83 Qwen3-VL 224x224 images and an eager pass of 45: 52.6 ms, one eager pass 52.2 ms); a
     replay of everything still wins its ties."""
     plan = BudgetPlan.create(max_batch_tokens=16384, max_items=256, budgets=POWERS_OF_TWO)
-    cost = CostModel.linear(plan.budgets, replay_overhead_tokens=92.0, launch_bound_tokens=1250.0)
+    cost = linear_costs(plan.budgets, replay_overhead_tokens=92.0, launch_bound_tokens=1250.0)
     large = PackItem(1296, "image", 1, 5184)
     batches = pack([large] * 8, plan, cost)
     assert [(b.key.budget, len(b.items), b.reason) for b in batches] == [(16384, 8, "padding")]
