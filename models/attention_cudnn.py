@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from models.attention import PerForward
+from models.forward_scope import PerForward
 
 _DTYPES = ("bfloat16", "float16")
 PYTHON_ENGINES = "sdpa_fwd_prefill"  # name prefix of cudnn-frontend's Python SDPA engines
@@ -278,7 +278,7 @@ class CudnnPlan:
 
     def fill(self, cu_seqlens: torch.Tensor) -> None:
         """The lengths and offsets of `cu_seqlens`, unless this forward already filled them from it
-        (`models.attention.one_forward`: the blocks of one forward share their boundaries)."""
+        (`models.forward_scope.one_forward`: the blocks of one forward share their boundaries)."""
         if not self.filled_from.filled(cu_seqlens):
             fill_ragged_metadata(cu_seqlens, self.seq_len, self.offsets, self.row_strides)
             self.filled_from.fill(cu_seqlens)

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.attention import SHORT_SEQLEN, one_forward
+from models.attention import SHORT_SEQLEN
 from models.config import ProcessorConfig
 from models.family import Dims, Family
+from models.forward_scope import one_forward
 from models.kernels import add_norm
 from models.layers import (
     Attention,

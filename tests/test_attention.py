@@ -323,7 +323,7 @@ def test_per_forward_memory_holds_only_within_one_forward_and_one_tensor():
     """What lets cuDNN's lengths and offsets be computed once per forward: remembered for the tensor they
     came from, within the `one_forward` that filled them, never outside one (inference tensors included:
     the towers run under inference_mode)."""
-    from models.attention import PerForward, one_forward
+    from models.forward_scope import PerForward, one_forward
 
     memo = PerForward()
     with torch.inference_mode():

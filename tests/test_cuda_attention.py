@@ -128,7 +128,7 @@ def test_one_forward_fills_the_lengths_once_per_boundaries_and_a_capture_refills
     replay recomputes them from the replayed boundaries: each call matches the eager call on its own."""
     need("cudnn")
     from models import attention_cudnn
-    from models.attention import one_forward
+    from models.forward_scope import one_forward
 
     fills = []
     real_fill = attention_cudnn.fill_ragged_metadata
