@@ -4,6 +4,7 @@ the host time of one `encode`, the calibrated costs the packing weighed, and the
 (torch.profiler).
 
     python3 tools/padding_probe.py OUT.txt [MODEL] [WORKLOAD ...]   # defaults: random:qwen3-vl-8b 1x448 32x224
+    --no-batch-invariant (anywhere): the products as torch picks them (split reductions allowed), floor included
 
 Run it on the GPU when the budget ladder, the packing's cost model or a family's token size changes.
 """
@@ -26,9 +27,9 @@ from models import load_tower  # noqa: E402
 from service.bench.towers import cuda_time, floor_graph, random_items, tower_dims, workloads  # noqa: E402
 
 
-def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str) -> None:
+def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str, invariant: bool = True) -> None:
     out = open(out_path, "a")
-    tower = load_tower(name, device="cuda", dtype="bfloat16")
+    tower = load_tower(name, device="cuda", dtype="bfloat16", batch_invariant=invariant)
     dims = tower_dims(tower)
     dev = torch.device("cuda")
     for wname in names or ("1x448", "32x224"):
@@ -54,7 +55,8 @@ def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str) -> None:
                     runner.encode(items)
                     torch.cuda.synchronize()
                 events = prof.key_averages()
-                row = dict(model=name, workload=wname, tokens=tokens, budgets=label, graph_ms=round(ms, 3),
+                row = dict(model=name, workload=wname, tokens=tokens, budgets=label, batch_invariant=invariant,
+                           graph_ms=round(ms, 3),
                            floor_ms=round(floor, 3), over_floor=round(ms / floor, 3), host_ms=round(host_ms, 3),
                            kernel_ms=round(sum(e.self_device_time_total for e in events) / 1e3, 3),
                            batches=[(str(b.key), b.reason, b.tokens) for b in runner.pack_items(items)],
@@ -71,4 +73,5 @@ def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    args = [a for a in sys.argv[1:] if a != "--no-batch-invariant"]
+    main(*args, invariant=len(args) == len(sys.argv) - 1)
