@@ -1,7 +1,8 @@
 """Which products make a tower's FP8 outputs fall below the gate's bar: the tower's linear layers grouped by their
-place (block numbers folded: `blocks.*.mlp.down_proj`), and for each group the gate's figures (mean and worst item
-cosine against float32, on the gate's seeded items) with only that group in FP8, and with every product in FP8 but
-that group. One JSON line per model and group.
+place (block numbers folded: `blocks.*.attn.proj`; a holder of several fused weights one group per weight,
+`blocks.*.mlp#0` for its weight at position 0 of `fused`: a gated MLP's gate/up, `#2` its down), and for each group
+the gate's figures (mean and worst item cosine against float32, on the gate's seeded items) with only that group in
+FP8, and with every product in FP8 but that group. One JSON line per model and group.
     python3 tools/fp8_groups_probe.py OUT.jsonl MODEL [MODEL ...]     # GPU (compute capability 8.9 or later)
 """
 
@@ -50,20 +51,25 @@ def probe(model: str, dev: torch.device) -> list[dict]:
 
     names = {id(m): n for n, m in tower.named_modules()}
 
-    def marked(q: Quantized) -> list[tuple[str, tuple, str]]:
-        return ([("fused", e, group_of(names[id(e[0])])) for e in q.fused]
-                + [("swap", e, group_of(f"{names[id(e[0])]}.{e[1]}")) for e in q.swaps])
+    def fused_groups(e: tuple) -> list[tuple[int, str]]:
+        """(position, group) of each weight a fused holder quantizes."""
+        module, base = e[0], group_of(names[id(e[0])])
+        positions = getattr(module, "FUSED_WEIGHTS", (0,))
+        return [(i, base if len(positions) == 1 else f"{base}#{i}") for i in positions]
 
     def only(selected: set[str]) -> Quantized:
         """Every product in FP8, then all but the groups in `selected` put back; returns what is left to undo."""
-        part = {True: Quantized(0, 0, [], []), False: Quantized(0, 0, [], [])}
-        for kind, e, g in marked(quantize_tower(tower)):
-            (part[g in selected].fused if kind == "fused" else part[g in selected].swaps).append(e)
-        part[False].undo()
-        return part[True]
+        q = quantize_tower(tower)
+        for module, old, _ in q.fused:  # the selected weights stay quantized, the others go back
+            chosen = {i for i, g in fused_groups((module,)) if g in selected}
+            module.fused = tuple(v if i in chosen else old[i] for i, v in enumerate(module.fused))
+        keep = [e for e in q.swaps if group_of(f"{names[id(e[0])]}.{e[1]}") in selected]
+        Quantized(0, 0, [], [e for e in q.swaps if e not in keep]).undo()
+        return Quantized(0, 0, q.fused, keep)
 
     whole = quantize_tower(tower)
-    groups = sorted({g for _, _, g in marked(whole)})
+    groups = sorted({g for e in whole.fused for _, g in fused_groups(e)}
+                    | {group_of(f"{names[id(e[0])]}.{e[1]}") for e in whole.swaps})
     rows = [{"model": model, "group": "(all)", "products": whole.products, **figures()}]
     whole.undo()
     for g in groups:
