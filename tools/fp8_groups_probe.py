@@ -4,6 +4,7 @@ place (block numbers folded: `blocks.*.attn.proj`; a holder of several fused wei
 the gate's figures (mean and worst item cosine against float32, on the gate's seeded items) with only that group in
 FP8, and with every product in FP8 but that group. One JSON line per model and group.
     python3 tools/fp8_groups_probe.py OUT.jsonl MODEL [MODEL ...]     # GPU (compute capability 8.9 or later)
+    --cpu (anywhere): torch's e4m3 on the CPU (slow at full size: minutes a group)
 """
 
 from __future__ import annotations
@@ -51,25 +52,30 @@ def probe(model: str, dev: torch.device) -> list[dict]:
 
     names = {id(m): n for n, m in tower.named_modules()}
 
-    def fused_groups(e: tuple) -> list[tuple[int, str]]:
+    def fused_groups(module: torch.nn.Module) -> list[tuple[int, str]]:
         """(position, group) of each weight a fused holder quantizes."""
-        module, base = e[0], group_of(names[id(e[0])])
-        positions = getattr(module, "FUSED_WEIGHTS", (0,))
+        base, positions = group_of(names[id(module)]), getattr(module, "FUSED_WEIGHTS", (0,))
         return [(i, base if len(positions) == 1 else f"{base}#{i}") for i in positions]
+
+    def swap_group(swap: tuple) -> str:
+        parent, name, _ = swap
+        return group_of(f"{names[id(parent)]}.{name}")
 
     def only(selected: set[str]) -> Quantized:
         """Every product in FP8, then all but the groups in `selected` put back; returns what is left to undo."""
         q = quantize_tower(tower)
         for module, old, _ in q.fused:  # the selected weights stay quantized, the others go back
-            chosen = {i for i, g in fused_groups((module,)) if g in selected}
+            chosen = {i for i, g in fused_groups(module) if g in selected}
             module.fused = tuple(v if i in chosen else old[i] for i, v in enumerate(module.fused))
-        keep = [e for e in q.swaps if group_of(f"{names[id(e[0])]}.{e[1]}") in selected]
-        Quantized(0, 0, [], [e for e in q.swaps if e not in keep]).undo()
+        keep, back = [], []
+        for swap in q.swaps:
+            (keep if swap_group(swap) in selected else back).append(swap)
+        Quantized(0, 0, [], back).undo()
         return Quantized(0, 0, q.fused, keep)
 
     whole = quantize_tower(tower)
-    groups = sorted({g for e in whole.fused for _, g in fused_groups(e)}
-                    | {group_of(f"{names[id(e[0])]}.{e[1]}") for e in whole.swaps})
+    groups = sorted({g for module, _, _ in whole.fused for _, g in fused_groups(module)}
+                    | {swap_group(swap) for swap in whole.swaps})
     rows = [{"model": model, "group": "(all)", "products": whole.products, **figures()}]
     whole.undo()
     for g in groups:
@@ -83,15 +89,17 @@ def probe(model: str, dev: torch.device) -> list[dict]:
     return rows
 
 
-def main(out_path: str, *models: str) -> None:
+def main(out_path: str, *models: str, device: str = "cuda") -> None:
     for model in models:
-        rows = probe(model, torch.device("cuda"))
+        rows = probe(model, torch.device(device))
         with open(out_path, "a") as f:
             for row in rows:
                 print(json.dumps(row), flush=True)
                 f.write(json.dumps(row) + "\n")
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    args = [a for a in sys.argv[1:] if a != "--cpu"]
+    main(*args, device="cpu" if len(args) < len(sys.argv) - 1 else "cuda")
