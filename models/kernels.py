@@ -25,7 +25,8 @@ from torch import nn
 
 log = logging.getLogger("vitserve.models")
 
-KERNELS = ("rotary", "act", "add_norm", "gelu_epilogue", "fp8_rows", "add_norm_fp8", "act_fp8")
+KERNELS = ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize", "gelu_epilogue", "fp8_rows",
+           "add_norm_fp8", "act_fp8")
 FP8_KERNELS = ("fp8_rows", "add_norm_fp8", "act_fp8")  # checked only where e4m3 exists
 _enabled: set[str] = set()
 
@@ -35,21 +36,23 @@ ACT_CODES = {"quick_gelu": 0, "silu": 1, "gelu_pytorch_tanh": 2}
 try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may lack it
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice  # the precise sin and cos torch's CUDA kernels use
 
     @triton.jit
-    def _rotary_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, HEADS: tl.constexpr,
-                     HEADS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, HALF: tl.constexpr):
+    def _rotary_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, WIDTH: tl.constexpr, D: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """One BLOCK of a row's WIDTH = heads * D values (the row's heads back to back): every lane a value,
+        whatever the head dim, its rotate_half partner read from the same head."""
         row = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, HEADS_P2)[:, None]
-        d = tl.arange(0, D_P2)[None, :]
-        mask = (h < HEADS) & (d < D)
-        base = x_ptr + row * x_row_stride + h * D
-        x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
-        x_rolled = tl.load(base + (d + HALF) % D, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + row * D + d, mask=d < D, other=0.0)
-        s = tl.load(sin_ptr + row * D + d, mask=d < D, other=0.0)
-        y = x * c + x_rolled * s
-        tl.store(out_ptr + row * (HEADS * D) + h * D + d, y.to(out_ptr.dtype.element_ty), mask=mask)
+        e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = e < WIDTH
+        d = e % D
+        base = x_ptr + row * x_row_stride
+        x = tl.load(base + e, mask=mask, other=0.0).to(tl.float32)
+        x_rolled = tl.load(base + (e - d + (d + HALF) % D), mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + row * D + d, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + row * D + d, mask=mask, other=0.0)
+        tl.store(out_ptr + row * WIDTH + e, (x * c + x_rolled * s).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _activated(src, cols, mask, up_offset, ACT: tl.constexpr, GATED: tl.constexpr):
@@ -85,18 +88,27 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
         tl.store(scale_ptr + row, scale)
 
     @triton.jit
-    def _add_norm_rows(x_ptr, d_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, scale_ptr, n_cols, width, eps,
-                       HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr, FP8_OUT: tl.constexpr,
-                       INV_FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_norm_rows(x_ptr, d_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, scale_ptr, table_ptr, tap_ptr, tap_w_ptr,
+                       n_cols, width, eps, HAS_DELTA: tl.constexpr, TAPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RMS: tl.constexpr, FP8_OUT: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
         """sum = x + d (rounded to the stream's dtype, as the reference's add is), out = norm(sum); with
         FP8_OUT, out is norm(sum) rounded to the stream's dtype and then quantized (e4m3 [rows, width], scale
-        per row), the bytes `fp8_rows` would make of the rounded row."""
+        per row), the bytes `fp8_rows` would make of the rounded row. With TAPS, d is not read but made:
+        the weighted sum of TAPS table rows (`Taps`), in float32, rounded to the stream's dtype."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_DELTA:
-            d = tl.load(d_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            if TAPS > 0:
+                d = tl.zeros([BLOCK], dtype=tl.float32)
+                for j in tl.static_range(TAPS):
+                    at = tl.load(tap_ptr + row * TAPS + j).to(tl.int64)
+                    part = tl.load(table_ptr + at * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                    d += part * tl.load(tap_w_ptr + row * TAPS + j)
+                d = d.to(sum_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                d = tl.load(d_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
             s = (x + d).to(sum_ptr.dtype.element_ty)
             tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
             x = s.to(tl.float32)
@@ -142,6 +154,36 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
         tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=cols < width)
         tl.store(scale_ptr + row, scale)
 
+    @triton.jit
+    def _normalize_rows(x_ptr, mean_ptr, std_ptr, out_ptr, n_cols, rescale, BLOCK: tl.constexpr):
+        """out = (float(x) * rescale - mean) / std per column: `Normalize`'s three float32 steps, each
+        rounded as torch rounds it (an IEEE division), in one pass over the uint8 rows."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0).to(tl.float32)
+        mean = tl.load(mean_ptr + cols, mask=mask, other=0.0)
+        std = tl.load(std_ptr + cols, mask=mask, other=1.0)
+        scaled = x * rescale
+        y = tl.math.div_rn(scaled - mean, std)
+        tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
+
+    @triton.jit
+    def _rotary_tables(pos_ptr, axis_ptr, freq_ptr, cos_ptr, sin_ptr, n_axes, D: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """cos and signed sin [rows, D] of angle = pos[row, axis[c]] * freq[c] for c = d mod HALF (the
+        angles repeated for rotate_half, the first half of sin negated): `Rotary2D`'s table in one pass."""
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK)
+        mask = d < D
+        c = d % HALF
+        axis = tl.load(axis_ptr + c, mask=mask, other=0)
+        angle = tl.load(pos_ptr + row * n_axes + axis, mask=mask, other=0).to(tl.float32) \
+            * tl.load(freq_ptr + c, mask=mask, other=0.0)
+        tl.store(cos_ptr + row * D + d, libdevice.cos(angle), mask=mask)
+        sin = libdevice.sin(angle)
+        tl.store(sin_ptr + row * D + d, tl.where(d < HALF, -sin, sin), mask=mask)
+
     _HAVE_TRITON = True
 except Exception:  # noqa: BLE001 - any import problem just means the torch path
     _HAVE_TRITON = False
@@ -163,10 +205,12 @@ def rotary_torch(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def rotary_triton(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     n, two, heads, d = qk.shape
     out = torch.empty((n, two, heads, d), dtype=qk.dtype, device=qk.device)
+    width = two * heads * d
+    # the block that pads a row least (2304 values: 9 blocks of 256 rather than 3 of 1024)
+    block = min((256, 512, 1024), key=lambda b: (triton.cdiv(width, b) * b, -b))
     if n:
-        _rotary_rows[(n,)](qk, cos, sin, out, qk.stride(0), HEADS=two * heads,
-                           HEADS_P2=triton.next_power_of_2(two * heads), D=d,
-                           D_P2=triton.next_power_of_2(d), HALF=d // 2)
+        _rotary_rows[(n, triton.cdiv(width, block))](qk, cos, sin, out, qk.stride(0), WIDTH=width, D=d, HALF=d // 2,
+                                                     BLOCK=block)
     return out
 
 
@@ -178,6 +222,62 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
             and qk.stride(1) == qk.shape[-1] * qk.shape[-2]:
         return rotary_triton(qk, cos, sin)
     return rotary_torch(qk, cos, sin)
+
+
+def rotary_tables_torch(pos: torch.Tensor, axis: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos [P, axes] integer; axis [H] (which coordinate), freq [H] float32 (its frequency) of each angle column
+    -> cos, signed sin [P, 1, 1, 2H] float32: the angles repeated for rotate_half, whose sign is folded into
+    sin (first half negated), so that applying the rotation is x*cos + roll(x)*sin."""
+    angles = pos.float()[:, axis] * freq
+    emb = torch.cat([angles, angles], dim=-1)
+    sin = emb.sin()
+    sin[:, : angles.shape[-1]].neg_()
+    return emb.cos()[:, None, None], sin[:, None, None]
+
+
+def rotary_tables_triton(pos: torch.Tensor, axis: torch.Tensor, freq: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, half = pos.shape[0], axis.shape[0]
+    cos = torch.empty((rows, 1, 1, 2 * half), dtype=torch.float32, device=pos.device)
+    sin = torch.empty_like(cos)
+    if rows:
+        _rotary_tables[(rows,)](pos, axis, freq, cos, sin, pos.shape[1], D=2 * half, HALF=half,
+                                BLOCK=triton.next_power_of_2(2 * half))
+    return cos, sin
+
+
+def rotary_tables(pos: torch.Tensor, axis: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rotary embedding's cos and signed sin tables (see `rotary_tables_torch`)."""
+    if _use("rotary_tables", pos) and pos.dim() == 2 and pos.is_contiguous():
+        return rotary_tables_triton(pos, axis, freq)
+    return rotary_tables_torch(pos, axis, freq)
+
+
+# ---- pixel normalisation ----------------------------------------------------------------------------
+
+
+def normalize_torch(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, rescale: float) -> torch.Tensor:
+    """uint8 rows -> (float(x) * rescale - mean) / std, float32 (the processor's last steps)."""
+    return (pixels.float() * rescale - mean) / std
+
+
+def normalize_triton(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, rescale: float) -> torch.Tensor:
+    rows, cols = pixels.shape
+    out = torch.empty((rows, cols), dtype=torch.float32, device=pixels.device)
+    if rows:
+        block = 1024
+        # no multiply-add contraction: torch rounds the product before the subtraction
+        _normalize_rows[(rows, triton.cdiv(cols, block))](pixels, mean, std, out, cols, rescale, BLOCK=block,
+                                                          enable_fp_fusion=False)
+    return out
+
+
+def normalize_pixels(pixels: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, rescale: float) -> torch.Tensor:
+    """uint8 patch rows -> normalised float32 rows (see `normalize_torch`)."""
+    if _use("normalize", pixels) and pixels.dim() == 2 and pixels.is_contiguous() and mean.shape == std.shape \
+            == pixels.shape[-1:]:
+        return normalize_triton(pixels, mean, std, rescale)
+    return normalize_torch(pixels, mean, std, rescale)
 
 
 # ---- activations ----------------------------------------------------------------------------------
@@ -269,7 +369,43 @@ def _norm_params(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, fl
     raise TypeError(f"no fused path for {type(norm).__name__}")
 
 
-def add_norm_torch(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class Taps:
+    """A residual delta not yet made: row r is sum_j weight[r, j] * table[index[r, j]] in float32, rounded to the
+    stream's dtype (a position table resampled to each patch, models/positions.py). `add_norm` makes it inside
+    its own pass where it can."""
+
+    table: torch.Tensor  # [rows of the table, dim]
+    index: torch.Tensor  # [rows, taps] integer
+    weight: torch.Tensor  # [rows, taps] float32
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return weighted_rows(self.table, self.index, self.weight).to(dtype)
+
+
+def weighted_rows(table: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_j weight[:, j] * table[index[:, j]], float32 [rows, dim]."""
+    return (table[index] * weight[..., None]).sum(1)
+
+
+def _taps_args(x: torch.Tensor, delta: torch.Tensor | Taps | None) -> tuple[torch.Tensor, ...]:
+    """(delta, table, index, weight) for `_add_norm_rows`: unused ones point at x."""
+    if isinstance(delta, Taps):
+        return x, delta.table, delta.index, delta.weight
+    return (x if delta is None else delta), x, x, x
+
+
+def _taps_fit(x: torch.Tensor, taps: Taps) -> bool:
+    return (_use("add_norm_taps", x, taps.table) and taps.table.is_contiguous() and taps.table.dtype == x.dtype
+            and taps.table.shape[1] == x.shape[1] and taps.index.shape == taps.weight.shape == (x.shape[0],
+            taps.index.shape[1]) and taps.index.is_contiguous() and taps.weight.is_contiguous()
+            and taps.weight.dtype == torch.float32)
+
+
+def add_norm_torch(x: torch.Tensor, delta: torch.Tensor | Taps | None, norm: nn.Module
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(delta, Taps):
+        delta = delta.dense(x.dtype)
     s = x if delta is None else x + delta
     weight, bias, eps, rms = _norm_params(norm)
     if rms:
@@ -277,42 +413,50 @@ def add_norm_torch(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module)
     return s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
 
 
-def add_norm_triton(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_add_norm(x: torch.Tensor, delta: torch.Tensor | Taps | None, norm: nn.Module, s: torch.Tensor,
+                     out: torch.Tensor, scale: torch.Tensor, fp8: bool) -> None:
+    """One `_add_norm_rows` pass writing the sum into s and the normalised rows into out (e4m3 with their scales
+    when fp8)."""
     weight, bias, eps, rms = _norm_params(norm)
     rows, cols = x.shape
+    if not rows:
+        return
+    d, table, index, tap_w = _taps_args(x, delta)
+    _add_norm_rows[(rows,)](
+        x, d, weight, weight if bias is None else bias, s, out, scale, table, index, tap_w, cols, out.shape[1],
+        eps, HAS_DELTA=delta is not None, TAPS=delta.index.shape[1] if isinstance(delta, Taps) else 0,
+        HAS_BIAS=bias is not None, RMS=rms, FP8_OUT=fp8, INV_FP8_MAX=INV_FP8_MAX,
+        BLOCK=triton.next_power_of_2(out.shape[1]),
+    )
+
+
+def add_norm_triton(x: torch.Tensor, delta: torch.Tensor | Taps | None, norm: nn.Module
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     s = x if delta is None else torch.empty_like(x)
     out = torch.empty_like(x)
-    if rows:
-        _add_norm_rows[(rows,)](
-            x, x if delta is None else delta, weight, weight if bias is None else bias, s, out, out, cols, cols,
-            eps, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, FP8_OUT=False,
-            INV_FP8_MAX=INV_FP8_MAX, BLOCK=triton.next_power_of_2(cols),
-        )
+    _launch_add_norm(x, delta, norm, s, out, out, fp8=False)
     return s, out
 
 
-def add_norm_fp8_triton(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, width: int
+def add_norm_fp8_triton(x: torch.Tensor, delta: torch.Tensor | Taps | None, norm: nn.Module, width: int
                         ) -> tuple[torch.Tensor, Fp8Rows]:
-    weight, bias, eps, rms = _norm_params(norm)
     rows, cols = x.shape
     s = x if delta is None else torch.empty_like(x)
     values = torch.empty((rows, width), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows:
-        _add_norm_rows[(rows,)](
-            x, x if delta is None else delta, weight, weight if bias is None else bias, s, values, scale, cols,
-            width, eps, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, FP8_OUT=True,
-            INV_FP8_MAX=INV_FP8_MAX, BLOCK=triton.next_power_of_2(width),
-        )
+    _launch_add_norm(x, delta, norm, s, values, scale, fp8=True)
     return s, Fp8Rows(values, scale, cols, x.dtype)
 
 
-def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, fp8_width: int | None = None
+def add_norm(x: torch.Tensor, delta: torch.Tensor | Taps | None, norm: nn.Module, fp8_width: int | None = None
              ) -> tuple[torch.Tensor, Any]:
-    """(s, norm(s)) with s = x + delta (or x): a residual add and the next norm in one pass. With `fp8_width`
-    (the next product is FP8 and reads nothing else), norm(s) comes as `Fp8Rows`, the same bytes."""
-    fused = x.dim() == 2 and x.is_contiguous() and (delta is None or (delta.is_contiguous()
-                                                                      and delta.dtype == x.dtype))
+    """(s, norm(s)) with s = x + delta (or x): a residual add and the next norm in one pass (a `Taps` delta made
+    in that pass too). With `fp8_width` (the next product is FP8 and reads nothing else), norm(s) comes as
+    `Fp8Rows`, the same bytes."""
+    if isinstance(delta, Taps) and not (x.dim() == 2 and _taps_fit(x, delta)):
+        delta = delta.dense(x.dtype)
+    fused = x.dim() == 2 and x.is_contiguous() and (delta is None or isinstance(delta, Taps) or (
+        delta.is_contiguous() and delta.dtype == x.dtype))
     if fp8_width is not None:
         if fused and _use("add_norm_fp8", x) and fp8_width >= x.shape[1]:
             return add_norm_fp8_triton(x, delta, norm, fp8_width)
@@ -405,6 +549,18 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
         sin = torch.rand(37, 80, device=device, generator=gen)[:, None, None]
         return _rel(rotary_triton(qkv[:, :2], cos, sin), rotary_torch(qkv[:, :2], cos, sin))
 
+    def rotary_tables_() -> float:
+        pos = torch.randint(0, 700, (37, 2), device=device, generator=gen)
+        axis = torch.arange(18, device=device) // 9
+        freq = torch.rand(18, device=device, generator=gen)
+        return max(_rel(a, b) for a, b in zip(rotary_tables_triton(pos, axis, freq),
+                                              rotary_tables_torch(pos, axis, freq)))
+
+    def normalize_() -> float:
+        pixels = torch.randint(0, 256, (37, 1176), dtype=torch.uint8, device=device, generator=gen)
+        mean, std = torch.rand(1176, device=device, generator=gen), torch.rand(1176, device=device, generator=gen) + .2
+        return _rel(normalize_triton(pixels, mean, std, 1 / 255), normalize_torch(pixels, mean, std, 1 / 255))
+
     def act() -> float:
         h = randn(37, 2 * 1088) * 3
         plain = max(_rel(act_triton(h, a), act_torch(h, a)) for a in ACT_CODES)
@@ -421,6 +577,19 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
             for delta in (d, None):
                 (s1, n1), (s2, n2) = add_norm_triton(x, delta, norm), add_norm_torch(x, delta, norm)
                 worst = max(worst, _rel(s1, s2), _rel(n1, n2))
+        return worst
+
+    def add_norm_taps() -> float:
+        """A position table resampled into the first block's add and norm, in the stream's dtype and as e4m3."""
+        x, table = randn(37, 1000), randn(64, 1000)
+        taps = Taps(table, torch.randint(0, 64, (37, 4), device=device, generator=gen),
+                    torch.rand(37, 4, device=device, generator=gen))
+        ln = nn.LayerNorm(1000, eps=1e-6, device=device, dtype=dtype)
+        (s1, n1), (s2, n2) = add_norm_triton(x, taps, ln), add_norm_torch(x, taps, ln)
+        worst = max(_rel(s1, s2), _rel(n1, n2))
+        if has_fp8(device):
+            s3, q = add_norm_fp8_triton(x, taps, ln, 1008)
+            worst = max(worst, _rel(s3, s1), same_fp8(q, *fp8_rows_triton(n1, 1008)))
         return worst
 
     def gelu_epilogue() -> float:
@@ -460,7 +629,8 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
         return max(same_fp8(act_fp8_triton(h, a, g, w), *fp8_rows_triton(act_triton(h, a, g), w))
                    for a in ACT_CODES for g, w in ((None, 2000), (1000, 1008)))
 
-    checks = {"rotary": rotary, "act": act, "add_norm": add_norm_, "gelu_epilogue": gelu_epilogue,
+    checks = {"rotary": rotary, "rotary_tables": rotary_tables_, "act": act, "add_norm": add_norm_,
+              "add_norm_taps": add_norm_taps, "normalize": normalize_, "gelu_epilogue": gelu_epilogue,
               "fp8_rows": fp8_rows_, "add_norm_fp8": add_norm_fp8, "act_fp8": act_fp8}
     errors: dict[str, float] = {}
     for name, check in checks.items():

@@ -11,7 +11,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import packed_attention
-from models.kernels import ACTIVATIONS, activate, add_norm, apply_rotary, clamped_swiglu, linear_act
+from models.kernels import (
+    ACTIVATIONS,
+    activate,
+    add_norm,
+    apply_rotary,
+    clamped_swiglu,
+    linear_act,
+    normalize_pixels,
+    rotary_tables,
+)
 from models.quantization import Fp8Linear, fp8_input_width, linear, width_of
 
 
@@ -130,10 +139,20 @@ class GatedMlp(nn.Module):
         return linear(hidden, down_weight, self.down_proj.bias)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose own calls (a merger's norm) take the fused kernel's single pass, as the blocks' norms do
+    through `add_norm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.elementwise_affine or self.bias is None:
+            return super().forward(x)
+        return add_norm(x, None, self)[1]
+
+
 def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
     """The families' two norms: "layer" (LayerNorm) or "rms" (RMSNorm); eps 1e-6 unless a family says."""
     if kind == "layer":
-        return nn.LayerNorm(dim, eps=eps)
+        return LayerNorm(dim, eps=eps)
     if kind == "rms":
         return RMSNorm(dim, eps)
     raise ValueError(f"unknown norm {kind!r}: layer or rms")
@@ -181,32 +200,39 @@ def position_table(rows: int, dim: int) -> nn.Embedding:
 class Rotary2D(nn.Module):
     """Axial rotary embedding: half the rotated dims follow the row, half the column."""
 
+    axes = 2  # coordinates per position
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        # Made on the CPU even while the tower is built on the meta device (`reset` makes it again on the
+        # Made on the CPU even while the tower is built on the meta device (`reset` makes them again on the
         # tower's device): arange on meta runs torch's Python reference, which imports torch._dynamo.
         self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+        axis, freq = self.angle_columns()
+        self.register_buffer("angle_axis", axis, persistent=False)
+        self.register_buffer("angle_freq", freq, persistent=False)
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         quarter = self.head_dim // 2
         return 1.0 / (self.theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter))
 
+    def angle_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(coordinate, frequency) of each angle column: axis-major, every frequency for the row, then for the
+        column (and further axes)."""
+        band = self.inv_freq.shape[0]
+        return torch.arange(self.axes * band, device=self.inv_freq.device) // band, self.inv_freq.repeat(self.axes)
+
     def reset(self) -> None:
         self.inv_freq = self._inv_freq(self.inv_freq.device)
+        self.angle_axis, self.angle_freq = self.angle_columns()
 
     def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos: [P, 2] integer (row, col) -> cos, signed sin: [P, 1, 1, head_dim] float32.
+        """pos: [P, axes] integer (row, col) -> cos, signed sin: [P, 1, 1, head_dim] float32.
 
         The sign of rotate_half is folded into sin (first half negated), so that applying the
         rotation is x*cos + roll(x)*sin: three kernels for q and k together.
         """
-        freqs = (pos.float()[..., None] * self.inv_freq).flatten(1)  # [P, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        half = freqs.shape[-1]
-        sin = emb.sin()
-        sin[:, :half].neg_()
-        return emb.cos()[:, None, None], sin[:, None, None]
+        return rotary_tables(pos, self.angle_axis, self.angle_freq)
 
 
 class Attention(nn.Module):
@@ -334,5 +360,5 @@ class Normalize(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         if not pixels.dtype == torch.uint8:
             return pixels  # already normalised (reference inputs, benchmarks)
-        return (pixels.float() * self.rescale - self.mean) / self.std
+        return normalize_pixels(pixels, self.mean, self.std, self.rescale)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.kernels import Taps, weighted_rows
 from models.metadata import GRID_CACHE_SIZE, block_order_positions, frozen
 from models.protocol import Capacity, Grid
 
@@ -64,8 +65,14 @@ def bilinear_metadata(grids: Sequence[Grid], cap: Capacity, merge: int, side: in
 
 
 def resample(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each patch's position embedding: the weighted sum of its four table rows."""
-    return (table[meta["interp_idx"]] * meta["interp_w"][..., None]).sum(1)
+    """Each patch's position embedding: the weighted sum of its four table rows (float32)."""
+    return weighted_rows(table, meta["interp_idx"], meta["interp_w"])
+
+
+def resampled(table: torch.Tensor, meta: dict[str, torch.Tensor]) -> Taps:
+    """`resample`'s rows rounded to the stream's dtype, as a delta the first block's add and norm make in their
+    own pass (models.kernels.add_norm)."""
+    return Taps(table, meta["interp_idx"], meta["interp_w"])
 
 
 # ---- bicubic (GLM-4.1V) ---------------------------------------------------------------------------

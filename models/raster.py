@@ -81,11 +81,7 @@ class InterleavedRotary2D(Rotary2D):
     """Axial rotary whose angles alternate between the two axes pair by pair (a0, b0, a1, b1, ...), each
     frequency used for both, and the whole vector repeated for rotate_half (Kimi-K2.x)."""
 
-    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos: [P, 2] integer (a, b) -> cos, signed sin: [P, 1, 1, head_dim] float32."""
-        freqs = (pos.float()[:, None, :] * self.inv_freq[:, None]).flatten(1)  # [P, quarter pairs * 2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        half = freqs.shape[-1]
-        sin = emb.sin()
-        sin[:, :half].neg_()
-        return emb.cos()[:, None, None], sin[:, None, None]
+    def angle_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frequency-major: (a, b) at the first frequency, then at the second, ..."""
+        band, axes = self.inv_freq.shape[0], self.axes
+        return torch.arange(axes * band, device=self.inv_freq.device) % axes, self.inv_freq.repeat_interleave(axes)

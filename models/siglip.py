@@ -25,12 +25,12 @@ from torch import nn
 from models.attention import packed_attention
 from models.config import ProcessorConfig
 from models.family import Dims, Family
-from models.kernels import apply_rotary
+from models.kernels import Taps, apply_rotary
 from models.layers import Block, Mlp, Normalize, Rotary2D, position_table
 from models.mergers import MlpMerger, raster_merge_index
 from models.metadata import padded_cumsum, rotary_positions, segment_lengths
 from models.patches import Conv2dPatches, LinearPatches
-from models.positions import antialias_metadata, half_pixel_metadata, resample, resample_separable
+from models.positions import antialias_metadata, half_pixel_metadata, resample_separable, resampled
 from models.protocol import Capacity, CapacityError, TowerOutput
 from models.quantization import linear, width_of
 from models.tower import QwenTower, rope_theta
@@ -201,9 +201,9 @@ class SiglipTower(QwenTower):
         x = embeddings.patch_embedding(self.normalize(pixels))
         table = embeddings.position_embedding.weight
         if "pos_rows" in meta:
-            delta = resample_separable(table, meta).to(table.dtype)
+            delta: torch.Tensor | Taps = resample_separable(table, meta).to(table.dtype).to(x.dtype)
         else:
-            delta = resample(table, meta)
-        x, _ = self.run_blocks(x, meta, cap, delta=delta.to(x.dtype))
+            delta = resampled(table, meta)
+        x, _ = self.run_blocks(x, meta, cap, delta=delta)
         x = self.visual.post_layernorm(x)
         return TowerOutput(self.projector(x, meta.get("merge_index")), [])

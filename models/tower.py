@@ -21,7 +21,7 @@ from models.attention import SHORT_SEQLEN
 from models.config import ProcessorConfig
 from models.family import Dims, Family
 from models.forward_scope import one_forward
-from models.kernels import add_norm
+from models.kernels import Taps, add_norm
 from models.layers import (
     Attention,
     Block,
@@ -35,7 +35,7 @@ from models.layers import (
     position_table,
 )
 from models.metadata import base_capacity, padded_cumsum, rotary_positions, segment_lengths
-from models.positions import bilinear_metadata, resample
+from models.positions import bilinear_metadata, resampled
 from models.protocol import Capacity, CapacityError, Geometry, Grid, TowerOutput
 from models.quantization import fp8_input_width
 from models.windows import Windows
@@ -194,7 +194,7 @@ class QwenTower(TowerBase):
     # ---- device half ----------------------------------------------------------------------
     def forward(self, pixels: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity) -> TowerOutput:
         x = self.patch_embed(self.normalize(pixels))
-        delta = resample(self.pos_embed.weight, meta).to(x.dtype) if self.spec.learned_positions else None
+        delta = resampled(self.pos_embed.weight, meta) if self.spec.learned_positions else None
         if self.windows:
             n, unit = x.shape[0], self.merge_unit
             x = x.view(n // unit, unit, -1)[meta["window_index"]].view(n, -1)
@@ -215,7 +215,8 @@ class QwenTower(TowerBase):
         return meta["cu_window_seqlens"], cap.max_window_seqlen, self.windows.patches <= SHORT_SEQLEN
 
     def run_blocks(
-        self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity, taps=(), delta: torch.Tensor | None = None
+        self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity, taps=(),
+        delta: torch.Tensor | Taps | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The block stack on x (+ delta); returns x and the hidden states after the `taps` layers.
 

@@ -23,7 +23,7 @@ from torch import nn
 from models.blocks import NamedBlock
 from models.config import ProcessorConfig
 from models.family import Dims, Family
-from models.kernels import add_norm
+from models.kernels import Taps, add_norm
 from models.layers import Mlp, Normalize, Rotary2D
 from models.metadata import base_capacity, padded_cumsum, segment_lengths
 from models.protocol import Capacity, CapacityError, Geometry, Grid
@@ -135,7 +135,7 @@ class ViTTower(TowerBase):
 
     # ---- device half ----------------------------------------------------------------------
     def run_blocks(self, x: torch.Tensor, meta: dict[str, torch.Tensor], cap: Capacity,
-                   delta: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                   delta: torch.Tensor | Taps | None = None, cos: torch.Tensor | None = None,
                    sin: torch.Tensor | None = None) -> torch.Tensor:
         """The block stack on x (+ delta), each residual add fused with the norm after it."""
         blocks = self.blocks

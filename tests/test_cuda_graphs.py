@@ -213,6 +213,22 @@ def test_fused_kernels_enable_and_match_torch():
     norm = torch.nn.LayerNorm(1280, eps=1e-6, device=DEV)
     (s1, n1), (s2, n2) = kernels.add_norm_triton(x, d, norm), kernels.add_norm_torch(x, d, norm)
     assert rel_err(s1, s2) < 1e-6 and rel_err(n1, n2) < 1e-5
+    # the steps before the blocks: pixels normalised to the bit, the rotary tables and a resampled position
+    # table added inside the first norm to rounding
+    pixels = torch.randint(0, 256, (3000, 1536), dtype=torch.uint8, device=DEV)
+    mean, std = torch.rand(1536, device=DEV), torch.rand(1536, device=DEV) + 0.1
+    assert torch.equal(kernels.normalize_triton(pixels, mean, std, 1 / 255),
+                       kernels.normalize_torch(pixels, mean, std, 1 / 255))
+    pos = torch.randint(0, 4096, (3000, 2), device=DEV)
+    axis, freq = torch.arange(36, device=DEV) // 18, 1.0 / 10000 ** (torch.arange(36, device=DEV) % 18 / 18)
+    tables = zip(kernels.rotary_tables_triton(pos, axis, freq), kernels.rotary_tables_torch(pos, axis, freq))
+    print("rotary tables, largest difference to torch:", [(a - b).abs().max().item() for a, b in tables])
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(kernels.rotary_tables_triton(pos, axis, freq),
+                                                    kernels.rotary_tables_torch(pos, axis, freq)))
+    taps = kernels.Taps(torch.randn(2304, 1280, device=DEV), torch.randint(0, 2304, (2000, 4), device=DEV),
+                        torch.rand(2000, 4, device=DEV))
+    (s1, n1), (s2, n2) = kernels.add_norm_triton(x, taps, norm), kernels.add_norm_torch(x, taps, norm)
+    assert rel_err(s1, s2) < 1e-6 and rel_err(n1, n2) < 1e-5
 
 
 def test_video_chunking_equals_eager_on_the_gpu():

@@ -20,10 +20,16 @@ import pytest
 pytest.importorskip("triton", reason="Triton is a test dependency on x86-64 Linux (pyproject.toml)")
 
 ROOT = Path(__file__).resolve().parents[1]
+K_NAMES = ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize", "gelu_epilogue", "fp8_rows",
+           "add_norm_fp8", "act_fp8")
 
 SCRIPT = r"""
 import json, torch
+import triton.language as tl
+from triton.language.extra import libdevice
 from torch import nn
+# The interpreter runs no libdevice: numpy's float32 sin and cos (through tl's) stand in for CUDA's
+libdevice.sin, libdevice.cos = (lambda x: tl.math.sin(x)), (lambda x: tl.math.cos(x))
 from models import kernels as K
 
 def rel(a, b):
@@ -105,6 +111,31 @@ for dtype in (torch.float32, torch.bfloat16):
                 if rows:
                     worst["act_fp8"] = max(worst.get("act_fp8", 0),
                                            differ(q, *K.fp8_rows_triton(K.act_triton(h, act, gated), w)))
+    # the rotary tables of both column orders (axis-major, Kimi's frequency-major), three axes too
+    for rows, axes, band in [(7, 2, 18), (5, 2, 20), (3, 3, 10), (0, 2, 16)]:
+        pos = torch.randint(0, 900, (rows, axes), generator=gen)
+        freq = 1.0 / (10000 ** (torch.arange(band, dtype=torch.float) / band))
+        for axis, f in ((torch.arange(axes * band) // band, freq.repeat(axes)),
+                        (torch.arange(axes * band) % axes, freq.repeat_interleave(axes))):
+            fast, ref = K.rotary_tables_triton(pos, axis, f), K.rotary_tables_torch(pos, axis, f)
+            assert all(a.shape == b.shape == (rows, 1, 1, 2 * axes * band) for a, b in zip(fast, ref))
+            if rows:
+                worst["rotary_tables"] = max(worst.get("rotary_tables", 0), *(rel(a, b) for a, b in zip(fast, ref)))
+    for rows, cols in [(5, 1536), (3, 1176), (2, 3), (0, 588)]:
+        pixels = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen)
+        mean, std = torch.rand(cols, generator=gen), torch.rand(cols, generator=gen) + 0.1
+        fast, ref = K.normalize_triton(pixels, mean, std, 1 / 255), K.normalize_torch(pixels, mean, std, 1 / 255)
+        assert fast.shape == ref.shape and fast.dtype == torch.float32
+        if rows:
+            worst["normalize"] = max(worst.get("normalize", 0), rel(fast, ref))
+    for rows, dim, taps in [(6, 1152, 4), (3, 100, 4), (2, 64, 16), (0, 64, 4)]:
+        x, table = randn(rows, dim), randn(50, dim)
+        t = K.Taps(table, torch.randint(0, 50, (rows, taps), generator=gen), torch.rand(rows, taps, generator=gen))
+        for norm in (nn.LayerNorm(dim, eps=1e-6).to(dtype), K._RmsProbe(randn(dim))):
+            (s1, n1), (s2, n2) = K.add_norm_triton(x, t, norm), K.add_norm_torch(x, t, norm)
+            assert s1.shape == s2.shape == n1.shape == (rows, dim)
+            if rows:
+                worst["add_norm_taps"] = max(worst.get("add_norm_taps", 0), rel(s1, s2), rel(n1, n2))
     results[name] = worst
 results["check_kernels"] = K.check_kernels(torch.device("cpu"), torch.float32)
 print(json.dumps(results))
@@ -120,12 +151,12 @@ def interpreted() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["rotary", "act", "add_norm"])
+@pytest.mark.parametrize("kernel", ["rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize"])
 def test_kernels_match_torch_in_float32(interpreted: dict, kernel: str) -> None:
     assert interpreted["float32"][kernel] < 1e-6
 
 
-@pytest.mark.parametrize("kernel", ["rotary", "act", "add_norm"])
+@pytest.mark.parametrize("kernel", ["rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize"])
 def test_kernels_close_to_torch_in_bfloat16(interpreted: dict, kernel: str) -> None:
     assert interpreted["bfloat16"][kernel] < 2e-2
 
@@ -149,9 +180,9 @@ def test_fused_fp8_outputs_are_the_bytes_of_the_kernels_they_fuse(interpreted: d
 def test_load_time_check_covers_every_triton_kernel(interpreted: dict) -> None:
     errors = interpreted["check_kernels"]
     # gelu_epilogue is cuBLASLt: GPU only
-    assert set(errors) == {"rotary", "act", "add_norm", "fp8_rows", "add_norm_fp8", "act_fp8"}
+    assert set(errors) == set(K_NAMES) - {"gelu_epilogue"}
     assert errors["add_norm_fp8"] == errors["act_fp8"] == 0
-    assert max(errors[k] for k in ("rotary", "act", "add_norm")) < 1e-6
+    assert max(errors[k] for k in ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize")) < 1e-6
     assert errors["fp8_rows"] < 0.05  # the share of bytes that differ (see above)
 
 
