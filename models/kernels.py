@@ -39,20 +39,19 @@ try:  # Triton ships with CUDA builds of torch; CPU builds and odd machines may 
     from triton.language.extra import libdevice  # the precise sin and cos torch's CUDA kernels use
 
     @triton.jit
-    def _rotary_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, WIDTH: tl.constexpr, D: tl.constexpr,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr):
-        """One BLOCK of a row's WIDTH = heads * D values (the row's heads back to back): every lane a value,
-        whatever the head dim, its rotate_half partner read from the same head."""
+    def _rotary_rows(x_ptr, cos_ptr, sin_ptr, out_ptr, x_row_stride, HEADS: tl.constexpr,
+                     HEADS_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, HALF: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = e < WIDTH
-        d = e % D
-        base = x_ptr + row * x_row_stride
-        x = tl.load(base + e, mask=mask, other=0.0).to(tl.float32)
-        x_rolled = tl.load(base + (e - d + (d + HALF) % D), mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + row * D + d, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + row * D + d, mask=mask, other=0.0)
-        tl.store(out_ptr + row * WIDTH + e, (x * c + x_rolled * s).to(out_ptr.dtype.element_ty), mask=mask)
+        h = tl.arange(0, HEADS_P2)[:, None]
+        d = tl.arange(0, D_P2)[None, :]
+        mask = (h < HEADS) & (d < D)
+        base = x_ptr + row * x_row_stride + h * D
+        x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+        x_rolled = tl.load(base + (d + HALF) % D, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + row * D + d, mask=d < D, other=0.0)
+        s = tl.load(sin_ptr + row * D + d, mask=d < D, other=0.0)
+        y = x * c + x_rolled * s
+        tl.store(out_ptr + row * (HEADS * D) + h * D + d, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _activated(src, cols, mask, up_offset, ACT: tl.constexpr, GATED: tl.constexpr):
@@ -205,12 +204,10 @@ def rotary_torch(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def rotary_triton(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     n, two, heads, d = qk.shape
     out = torch.empty((n, two, heads, d), dtype=qk.dtype, device=qk.device)
-    width = two * heads * d
-    # the block that pads a row least (2304 values: 9 blocks of 256 rather than 3 of 1024)
-    block = min((256, 512, 1024), key=lambda b: (triton.cdiv(width, b) * b, -b))
     if n:
-        _rotary_rows[(n, triton.cdiv(width, block))](qk, cos, sin, out, qk.stride(0), WIDTH=width, D=d, HALF=d // 2,
-                                                     BLOCK=block)
+        _rotary_rows[(n,)](qk, cos, sin, out, qk.stride(0), HEADS=two * heads,
+                           HEADS_P2=triton.next_power_of_2(two * heads), D=d,
+                           D_P2=triton.next_power_of_2(d), HALF=d // 2)
     return out
 
 
