@@ -393,10 +393,12 @@ def _taps_args(x: torch.Tensor, delta: torch.Tensor | Taps | None) -> tuple[torc
 
 
 def _taps_fit(x: torch.Tensor, taps: Taps) -> bool:
-    return (_use("add_norm_taps", x, taps.table) and taps.table.is_contiguous() and taps.table.dtype == x.dtype
-            and taps.table.shape[1] == x.shape[1] and taps.index.shape == taps.weight.shape == (x.shape[0],
-            taps.index.shape[1]) and taps.index.is_contiguous() and taps.weight.is_contiguous()
-            and taps.weight.dtype == torch.float32)
+    """Whether the fused pass can make this delta for x: contiguous rows it can index, x's width and dtype."""
+    table, index, weight = taps.table, taps.index, taps.weight
+    return (_use("add_norm_taps", x, table) and table.dtype == x.dtype and table.shape[1] == x.shape[1]
+            and index.dim() == 2 and index.shape == weight.shape and index.shape[0] == x.shape[0]
+            and weight.dtype == torch.float32
+            and all(t.is_contiguous() for t in (table, index, weight)))
 
 
 def add_norm_torch(x: torch.Tensor, delta: torch.Tensor | Taps | None, norm: nn.Module
