@@ -1,11 +1,14 @@
 """Where one `GraphRunner.encode` of a small workload spends its time on the device: the wait before its
 first GPU operation (the host packing and launching), every kernel in order with the idle gap before it,
 and the tail after the last one, from one profiled call (torch.profiler, CUDA and CPU clocks aligned).
-Kernels are grouped by name (products, attention, norms, rotary, the rest) with counts, busy and gap time.
+Kernels are grouped by name (products, attention, norms, rotary, the rest) with counts, busy and gap time;
+the floor's graph is profiled the same way (a row with kernels "floor"), and each single-batch workload's
+graph is also timed replaying alone (`replay_ms`: graph_ms less the host's packing, staging and copies).
 
     python3 tools/replay_timeline.py OUT.jsonl [MODEL] [WORKLOAD ...]   # random:qwen3-vl-8b 1x448 32x224
     --no-batch-invariant: the products as torch picks them; --ladders=exact,powers_of_two,steps_4: the budget
-    ladders to capture (exact: the default ladder plus a budget of exactly the workload's tokens);
+    ladders to capture (exact: the default ladder plus a budget of exactly the workload's tokens; only: that budget
+    alone, the quickest to capture);
     --unfused=a,b: also graphs captured with those fused kernels (models/kernels.py KERNELS) off, their torch
     paths instead (what the fusion saves); --rounds=N (5): timings alternate between every graph set and the floor
 
@@ -81,7 +84,18 @@ def timeline(prof: profile) -> dict:
             "groups": dict(groups), "order": ops}
 
 
+def profiled(fn) -> dict:
+    """`timeline` of one profiled call of fn."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("encode"):
+            fn()
+        torch.cuda.synchronize()
+    return timeline(prof)
+
+
 LADDERS = {"exact": lambda tokens: sorted(set(auto_budgets(16384)) | {tokens}),
+           "only": lambda tokens: [tokens],
            "powers_of_two": lambda tokens: auto_budgets(16384),
            "steps_4": lambda tokens: auto_budgets(16384, steps_per_octave=4)}
 
@@ -116,19 +130,22 @@ def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str, invariant
                 for key, runner in runners.items():
                     times[key].append(cuda_time(lambda r=runner, batch=items: r.encode(batch)))
             floor = statistics.median(floors)
+            floor_row = {"model": name, "workload": wname, "tokens": tokens, "kernels": "floor",
+                         "floor_ms": round(floor, 3), **profiled(floor_fn)}
+            print(json.dumps({k: v for k, v in floor_row.items() if k != "order"}), flush=True)
+            out.write(json.dumps(floor_row) + "\n")
             for (kset, ladder), runner in runners.items():
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    with record_function("encode"):
-                        runner.encode(items)
-                    torch.cuda.synchronize()
                 ms = statistics.median(times[kset, ladder])
+                batches = runner.pack_items(items)
+                # the graph's replay alone, without the host's packing, staging and output copies
+                replay_ms = round(cuda_time(runner.pool.graphs[batches[0].key].graph.replay), 3) \
+                    if len(batches) == 1 and batches[0].key in runner.pool.graphs else None
                 row = {"model": name, "workload": wname, "tokens": tokens, "batch_invariant": invariant,
                        "kernels": kset, "unfused": sorted(unfused) if kset == "unfused" else [], "ladder": ladder,
-                       "batches": [str(b.key) for b in runner.pack_items(items)], "graph_ms": round(ms, 3),
+                       "batches": [str(b.key) for b in batches], "graph_ms": round(ms, 3), "replay_ms": replay_ms,
                        "rounds_ms": [round(t, 3) for t in times[kset, ladder]], "floor_ms": round(floor, 3),
                        "floor_rounds_ms": [round(t, 3) for t in floors], "over_floor": round(ms / floor, 3),
-                       **timeline(prof)}
+                       **profiled(lambda r=runner, batch=items: r.encode(batch))}
                 print(json.dumps({k: v for k, v in row.items() if k != "order"}), flush=True)
                 out.write(json.dumps(row) + "\n")
             for runner in runners.values():
