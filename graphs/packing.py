@@ -16,6 +16,7 @@ to capture runs eagerly too ("capture_failed").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,8 +34,13 @@ class PackItem:
 
     @classmethod
     def of(cls, grid: Grid, modality: str, geometry: Geometry) -> PackItem:
-        lengths = geometry.segment_lengths(grid)
-        return cls(geometry.units(grid), modality, len(lengths), max(lengths), grid[0])
+        return _pack_item(tuple(grid), modality, geometry)
+
+
+@functools.lru_cache(maxsize=4096)  # a server sees few distinct sizes; packing asks for every item of every batch
+def _pack_item(grid: tuple[int, int, int], modality: str, geometry: Geometry) -> PackItem:
+    lengths = geometry.segment_lengths(grid)
+    return PackItem(geometry.units(grid), modality, len(lengths), max(lengths), grid[0])
 
 
 @dataclass
