@@ -6,7 +6,6 @@ This is what `vitserve encode` and the server's engine loop call. It knows nothi
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -283,8 +282,7 @@ def split(rows: torch.Tensor, tokens: list[int], hidden: int) -> list[ItemOutput
     views into it. One kernel, not one per item and level (128 for 32 Qwen3-VL images)."""
     levels = rows.shape[1] // hidden
     own = rows.view(rows.shape[0], levels, hidden).transpose(0, 1).clone(memory_format=torch.contiguous_format)
-    out = []
-    for start, count in zip(itertools.accumulate([0, *tokens[:-1]]), tokens):
-        part = own[:, start:start + count]
-        out.append(ItemOutput(part[0], list(part[1:])))
-    return out
+    # Every item's view of a level in one call per level: per-item slicing cost 14 us an item on the host
+    # (32 images: 0.46 ms, H200 machine), longer than the copy itself.
+    embeds, *deepstack = (level.split(tokens) for level in own.unbind(0))
+    return [ItemOutput(e, list(d)) for e, *d in zip(embeds, *deepstack)]
