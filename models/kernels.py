@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import rotary_attention
+
 log = logging.getLogger("vitserve.models")
 
 KERNELS = ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize", "gelu_epilogue", "fp8_rows",
@@ -237,6 +239,20 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
             and qk.stride(1) == qk.shape[-1] * qk.shape[-2]:
         return rotary_triton(qk, cos, sin)
     return rotary_torch(qk, cos, sin)
+
+
+def rotary_attention_on(rows: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> bool:
+    """Whether models.rotary_attention's kernel is on and takes this call."""
+    return _use("rotary_attention", rows) and rotary_attention.fits(rows, cos, sin)
+
+
+def rotary_attention_torch(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                           out: torch.Tensor) -> torch.Tensor:
+    """models.rotary_attention's kernel in torch: rows [tokens, heads + 2 kv, D] (q, k unrotated, v) -> the rows
+    of every segment within its bound, in out [tokens, heads, D]."""
+    kv = (rows.shape[1] - out.shape[1]) // 2
+    qk = rotary_torch(rows[:, : rows.shape[1] - kv].unsqueeze(1), cos, sin)[:, 0]
+    return rotary_attention.short_attention_torch(qk, rows[:, rows.shape[1] - kv:], cu_seqlens, out)
 
 
 def rotary_tables_torch(pos: torch.Tensor, axis: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -648,15 +664,13 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
                    for a in ACT_CODES for g, w in ((None, 2000), (1000, 1008)))
 
     def rotary_attention_() -> float:
-        from models.rotary_attention import rotary_attention_torch, rotary_attention_triton
-
         # segments of 1, 70 (two key blocks) and 0 patches, one past the kernel's bound (left alone), grouped heads
         cu = torch.tensor([0, 1, 71, 71, 71 + 300, 371 + 40], dtype=torch.int32, device=device)
         rows, cos = randn(411, 4 + 2 * 2, 72), torch.rand(411, 72, device=device, generator=gen)[:, None, None]
         sin = torch.rand(411, 72, device=device, generator=gen)[:, None, None]
-        fast = rotary_attention_triton(rows, cos, sin, cu, 4, torch.zeros(411, 4, 72, dtype=dtype, device=device), 300)
-        ref = rotary_attention_torch(rows, cos, sin, cu, 4, torch.zeros(411, 4, 72, dtype=dtype, device=device), 300)
-        return _rel(fast, ref)
+        fast = rotary_attention.rotary_attention_triton(rows, cos, sin, cu, 4,
+                                                        torch.zeros(411, 4, 72, dtype=dtype, device=device), 300)
+        return _rel(fast, rotary_attention_torch(rows, cos, sin, cu, torch.zeros_like(fast)))
 
     checks = {"rotary": rotary, "rotary_tables": rotary_tables_, "act": act, "add_norm": add_norm_,
               "add_norm_taps": add_norm_taps, "normalize": normalize_, "gelu_epilogue": gelu_epilogue,

@@ -20,6 +20,7 @@ from models.kernels import (
     clamped_swiglu,
     linear_act,
     normalize_pixels,
+    rotary_attention_on,
     rotary_tables,
 )
 from models.quantization import Fp8Linear, fp8_input_width, linear, width_of
@@ -308,7 +309,7 @@ class Attention(nn.Module):
         """`short`: this layer's segments are at most SHORT_SEQLEN rows by construction (models/attention.py)."""
         n, heads, kv = x.shape[0], self.heads, self.kv_heads
         rows = self.projections(x).view(n, heads + 2 * kv, -1)
-        fused = not self.qk_norm and rotary_attention.fits(rows, cos, sin)
+        fused = not self.qk_norm and rotary_attention_on(rows, cos, sin)
         if fused and max_seqlen <= rotary_attention.MAX_PATCHES:  # every segment short: the kernel alone
             out = rows.new_empty(n, heads, rows.shape[-1])
             rotary_attention.rotary_attention_triton(rows, cos, sin, cu_seqlens, heads, out, max_seqlen)

@@ -86,11 +86,9 @@ except Exception:  # noqa: BLE001 - no Triton: only the torch path
 
 
 def fits(rows: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> bool:
-    """Whether this call may take the kernel: it is on (models/kernels.py), the rows are on CUDA, and the rotary
-    turns every value of a head (no partial rotary) from one table row per token."""
-    from models.kernels import _use
-
-    if not (_HAVE_TRITON and cos is not None and sin is not None and _use("rotary_attention", rows)):
+    """Whether the kernel can take this call (the caller checks that it is on: models.kernels): Triton is here
+    and the rotary turns every value of a head (no partial rotary) from one table row per token."""
+    if not (_HAVE_TRITON and cos is not None and sin is not None):
         return False
     table = rows.shape[0] * rows.shape[-1]
     return cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == table \
@@ -116,21 +114,19 @@ def rotary_attention_triton(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return out
 
 
-def rotary_attention_torch(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                           heads: int, out: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    """The same as `rotary_attention_triton`, segment by segment in torch (the reference of its check)."""
-    from models.kernels import rotary_torch
-
-    n, width, d = rows.shape
-    kv = (width - heads) // 2
-    qk = rotary_torch(rows[:, : heads + kv].unsqueeze(1), cos, sin)[:, 0]
+def short_attention_torch(qk: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor
+                          ) -> torch.Tensor:
+    """The kernel's reference after the rotary: qk [tokens, heads + kv, D] rotated, v [tokens, kv, D]; each
+    segment of at most MAX_PATCHES patches in float32 SDPA into out [tokens, heads, D], the others left alone."""
+    heads = out.shape[1]
+    kv = qk.shape[1] - heads
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds, bounds[1:]):
         if not 0 < end - start <= MAX_PATCHES:
             continue
         q = qk[start:end, :heads].transpose(0, 1)
         k = qk[start:end, heads:].transpose(0, 1).repeat_interleave(heads // kv, 0)
-        v = rows[start:end, heads + kv :].transpose(0, 1).repeat_interleave(heads // kv, 0)
-        att = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        values = v[start:end].transpose(0, 1).repeat_interleave(heads // kv, 0)
+        att = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), values.float())
         out[start:end] = att.transpose(0, 1).to(out.dtype)
     return out
