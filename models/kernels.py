@@ -23,15 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import rotary_attention
-
 log = logging.getLogger("vitserve.models")
 
 KERNELS = ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize", "gelu_epilogue", "fp8_rows",
-           "add_norm_fp8", "act_fp8", "rotary_attention")
+           "add_norm_fp8", "act_fp8")
 FP8_KERNELS = ("fp8_rows", "add_norm_fp8", "act_fp8")  # checked only where e4m3 exists
-# Checked and turned on only when asked (`enable_opt_in`): not yet measured faster than the path it replaces.
-OPT_IN = ("rotary_attention",)
 _enabled: set[str] = set()
 
 # Activation codes shared by the Triton kernel and the torch fallbacks.
@@ -239,20 +235,6 @@ def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
             and qk.stride(1) == qk.shape[-1] * qk.shape[-2]:
         return rotary_triton(qk, cos, sin)
     return rotary_torch(qk, cos, sin)
-
-
-def rotary_attention_on(rows: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> bool:
-    """Whether models.rotary_attention's kernel is on and takes this call."""
-    return _use("rotary_attention", rows) and rotary_attention.fits(rows, cos, sin)
-
-
-def rotary_attention_torch(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                           out: torch.Tensor) -> torch.Tensor:
-    """models.rotary_attention's kernel in torch: rows [tokens, heads + 2 kv, D] (q, k unrotated, v) -> the rows
-    of every segment within its bound, in out [tokens, heads, D]."""
-    kv = (rows.shape[1] - out.shape[1]) // 2
-    qk = rotary_torch(rows[:, : rows.shape[1] - kv].unsqueeze(1), cos, sin)[:, 0]
-    return rotary_attention.short_attention_torch(qk, rows[:, rows.shape[1] - kv:], cu_seqlens, out)
 
 
 def rotary_tables_torch(pos: torch.Tensor, axis: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -568,9 +550,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                  names: tuple[str, ...] | None = None) -> dict[str, float]:
-    """Relative difference of each fused kernel (or of `names`) to its torch path on seeded random inputs
+def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """Relative difference of each fused kernel to its torch path on seeded random inputs
     (infinity where the kernel fails to compile or run)."""
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -663,23 +644,11 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
         return max(same_fp8(act_fp8_triton(h, a, g, w), *fp8_rows_triton(act_triton(h, a, g), w))
                    for a in ACT_CODES for g, w in ((None, 2000), (1000, 1008)))
 
-    def rotary_attention_() -> float:
-        # segments of 1, 70 (two key blocks) and 0 patches, one past the kernel's bound (left alone), grouped heads
-        cu = torch.tensor([0, 1, 71, 71, 71 + 300, 371 + 40], dtype=torch.int32, device=device)
-        rows, cos = randn(411, 4 + 2 * 2, 72), torch.rand(411, 72, device=device, generator=gen)[:, None, None]
-        sin = torch.rand(411, 72, device=device, generator=gen)[:, None, None]
-        fast = rotary_attention.rotary_attention_triton(rows, cos, sin, cu, 4,
-                                                        torch.zeros(411, 4, 72, dtype=dtype, device=device), 300)
-        return _rel(fast, rotary_attention_torch(rows, cos, sin, cu, torch.zeros_like(fast)))
-
     checks = {"rotary": rotary, "rotary_tables": rotary_tables_, "act": act, "add_norm": add_norm_,
               "add_norm_taps": add_norm_taps, "normalize": normalize_, "gelu_epilogue": gelu_epilogue,
-              "fp8_rows": fp8_rows_, "add_norm_fp8": add_norm_fp8, "act_fp8": act_fp8,
-              "rotary_attention": rotary_attention_}
+              "fp8_rows": fp8_rows_, "add_norm_fp8": add_norm_fp8, "act_fp8": act_fp8}
     errors: dict[str, float] = {}
     for name, check in checks.items():
-        if names is not None and name not in names:
-            continue
         if name == "gelu_epilogue" and device.type != "cuda":
             continue  # a cuBLASLt epilogue: nothing to check elsewhere
         if name in FP8_KERNELS and device.type == "cuda" and not has_fp8(device):
@@ -711,18 +680,8 @@ def enable_triton(device: torch.device) -> bool:
     True when all of them are on."""
     if device.type != "cuda" or not _HAVE_TRITON:
         return False
-    errors = check_kernels(device, names=tuple(k for k in KERNELS if k not in OPT_IN))
+    errors = check_kernels(device)
     set_enabled({name for name, err in errors.items() if err < 1e-2})
     states = (f"{n} {'on' if n in _enabled else 'OFF'} ({e:.1e})" for n, e in errors.items())
     log.info("fused kernels (relative difference to torch): %s", ", ".join(states))
     return _enabled == set(errors)
-
-
-def enable_opt_in(device: torch.device, names: tuple[str, ...] = OPT_IN) -> dict[str, float]:
-    """Also turn on the opt-in kernels `names` that work here and match their torch paths (for measuring them);
-    their relative differences."""
-    if device.type != "cuda" or not _HAVE_TRITON:
-        return {}
-    errors = check_kernels(device, names=names)
-    _enabled.update(name for name, err in errors.items() if err < 1e-2)
-    return errors

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import rotary_attention
 from models.attention import packed_attention
 from models.kernels import (
     ACTIVATIONS,
@@ -20,7 +19,6 @@ from models.kernels import (
     clamped_swiglu,
     linear_act,
     normalize_pixels,
-    rotary_attention_on,
     rotary_tables,
 )
 from models.quantization import Fp8Linear, fp8_input_width, linear, width_of
@@ -309,11 +307,6 @@ class Attention(nn.Module):
         """`short`: this layer's segments are at most SHORT_SEQLEN rows by construction (models/attention.py)."""
         n, heads, kv = x.shape[0], self.heads, self.kv_heads
         rows = self.projections(x).view(n, heads + 2 * kv, -1)
-        fused = not self.qk_norm and rotary_attention_on(rows, cos, sin)
-        if fused and max_seqlen <= rotary_attention.MAX_PATCHES:  # every segment short: the kernel alone
-            out = rows.new_empty(n, heads, rows.shape[-1])
-            rotary_attention.rotary_attention_triton(rows, cos, sin, cu_seqlens, heads, out, max_seqlen)
-            return self.proj(out.reshape(n, -1))
         # q and k rotate together: one [n, 1, heads + kv, head_dim] view of the projection's rows
         qk = rows[:, : heads + kv]
         if self.qk_norm:
@@ -325,9 +318,6 @@ class Attention(nn.Module):
         if kv != heads:
             k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
         out = packed_attention(self.backend, q, k, v, cu_seqlens, max_seqlen, short)
-        if fused:  # the short segments again, through the kernel: the bytes a batch of only short ones gives them
-            out = rotary_attention.rotary_attention_triton(rows, cos, sin, cu_seqlens, heads, out.contiguous(),
-                                                           max_seqlen)
         return self.proj(out.reshape(n, -1))
 
 

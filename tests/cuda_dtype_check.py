@@ -8,8 +8,6 @@ For each preset: load, capture the graphs of two budgets, pass the start-up self
   video's alone, beside other videos and eagerly;
 - accuracy: the target against the same weights in float32 (dense SDPA), within 1e-2 or twice the eager
   forward's own error in this dtype, and its mean cosine similarity per output row.
-`--with=a,b`: opt-in kernels (models/kernels.py OPT_IN) on, and a second target within
-models/rotary_attention.py's bound held to the same bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from graphs.packing import Batch
 from graphs.precision import float32_copy, quantize_with_gate
 from graphs.runner import GraphRunner, plan_for
 from graphs.self_check import OK, self_check
-from models import VisualInput, kernels, load_tower
+from models import VisualInput, load_tower
 from models.families import FAMILIES
 from models.presets import PRESETS
 from models.quantization import cosine_per_row
@@ -45,12 +43,10 @@ def make(tower, grid, modality, rng) -> VisualInput:
     return VisualInput(modality, rng.integers(0, 256, (t * h * w, tower.processor.patch_dim), np.uint8), grid)
 
 
-def check(name: str, dtype: str, opt_in: tuple[str, ...] = ()) -> dict:
-    """`dtype` may carry `+fp8`: the tower quantized (graphs/precision.py), measured against its float32 self.
-    `opt_in`: kernels of models.kernels.OPT_IN turned on (once they pass their check) before anything runs."""
+def check(name: str, dtype: str) -> dict:
+    """`dtype` may carry `+fp8`: the tower quantized (graphs/precision.py), measured against its float32 self."""
     dtype, _, quantization = dtype.partition("+")
     tower = load_tower(name, device="cuda", dtype=dtype)
-    checked = kernels.enable_opt_in(DEV, opt_in) if opt_in else {}
     video = FAMILIES[tower.family].video
     exact = None
     if quantization:
@@ -60,18 +56,37 @@ def check(name: str, dtype: str, opt_in: tuple[str, ...] = ()) -> dict:
     runner = GraphRunner(tower, DEV, plan, modalities=("image", "video") if video else ("image",))
     runner.capture()
     report: dict = {"preset": name, "dtype": dtype, "quantization": getattr(tower, "quantization", None),
-                    **({"opt_in": checked} if opt_in else {}),
                     "backend": tower.backend, "failed_keys": len(runner.pool.failed)}
     report["self_check"] = self_check(runner)
     m, rng = tower.merge, np.random.default_rng(0)
     target = make(tower, (1, 8 * m, 10 * m), "image", rng)
     others = [make(tower, (1, m * int(rng.integers(1, 12)), m * int(rng.integers(1, 12))), "image", rng)
               for _ in range(31)]
-    differs = differences(runner, plan, target, others)
-    if opt_in:  # a frame within models.rotary_attention's bound too, beside longer ones
-        short = make(tower, (1, 6 * m, 8 * m), "image", rng)
-        differs += [f"short target {d}" for d in differences(runner, plan, short, others)]
     alone = rows(runner.encode([target])[0])
+    differs = []
+    for count in (1, 7, 31):
+        batch = [*others[:count], target]
+        if not torch.equal(rows(runner.encode(batch)[count]), alone):
+            differs.append(f"packed with {count}")
+        # all of them in one graph: the class of the longest frame, the smallest budget that holds them
+        fit = runner.pack_items(batch)
+        keys = [b.key for b in fit if b.key is not None]
+        longest = max(keys, key=lambda k: k.length_class)
+        for budget in plan.budgets:
+            key = type(longest)("image", budget, longest.length_class)
+            if key not in runner.pool.graphs or sum(it.num_patches for it in batch) > budget * tower.merge_unit:
+                continue
+            try:
+                got = runner.run_batch(Batch(key, list(range(len(batch)))), batch)
+            except ValueError:  # more segments than the key holds
+                continue
+            if not torch.equal(rows(got[count]), alone):
+                differs.append(f"with {count} in {key}")
+        eager = runner.run_batch(Batch(None, list(range(len(batch))), reason="padding"), batch)
+        if not torch.equal(rows(eager[count]), alone):
+            differs.append(f"eager with {count}")
+    if not torch.equal(rows(runner.run_batch(Batch(None, [0], reason="padding"), [target])[0]), alone):
+        differs.append("eager alone")
     if video:
         clips = [make(tower, (2, 6 * m, 4 * m), "video", rng), make(tower, (4, 4 * m, 4 * m), "video", rng)]
         solo = rows(runner.encode(clips[:1])[0])
@@ -87,52 +102,17 @@ def check(name: str, dtype: str, opt_in: tuple[str, ...] = ()) -> dict:
     report["cosine"] = cosine_per_row(alone[:, :tower.out_hidden_size], ref).mean().item()
     report["bound"] = max(1e-2, 2 * eager_err) if dtype != "float32" else 1e-4
     report["ok"] = (not differs and report["error"] <= report["bound"]
-                    and all(r == OK for r in report["self_check"].values()) and not runner.pool.failed
-                    and all(err < 1e-2 for err in report.get("opt_in", {}).values()))
+                    and all(r == OK for r in report["self_check"].values()) and not runner.pool.failed)
     del runner, exact
     torch.cuda.empty_cache()
     return report
 
 
-def differences(runner: GraphRunner, plan, target: VisualInput, others: list[VisualInput]) -> list[str]:
-    """Where the target's bytes differ from its own alone: packed with 1, 7 and 31 others, in every graph that
-    holds them all, eagerly batched and eagerly alone."""
-    alone = rows(runner.encode([target])[0])
-    differs = []
-    for count in (1, 7, 31):
-        batch = [*others[:count], target]
-        if not torch.equal(rows(runner.encode(batch)[count]), alone):
-            differs.append(f"packed with {count}")
-        # all of them in one graph: the class of the longest frame, the smallest budget that holds them
-        fit = runner.pack_items(batch)
-        keys = [b.key for b in fit if b.key is not None]
-        longest = max(keys, key=lambda k: k.length_class)
-        for budget in plan.budgets:
-            key = type(longest)("image", budget, longest.length_class)
-            if key not in runner.pool.graphs or sum(it.num_patches for it in batch) > budget * runner.tower.merge_unit:
-                continue
-            try:
-                got = runner.run_batch(Batch(key, list(range(len(batch)))), batch)
-            except ValueError:  # more segments than the key holds
-                continue
-            if not torch.equal(rows(got[count]), alone):
-                differs.append(f"with {count} in {key}")
-        eager = runner.run_batch(Batch(None, list(range(len(batch))), reason="padding"), batch)
-        if not torch.equal(rows(eager[count]), alone):
-            differs.append(f"eager with {count}")
-    if not torch.equal(rows(runner.run_batch(Batch(None, [0], reason="padding"), [target])[0]), alone):
-        differs.append("eager alone")
-    return differs
-
-
 def main() -> None:
-    """`--with=a,b`: opt-in kernels on (models/kernels.py OPT_IN)."""
-    opt_in = tuple(a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--with="))
-    opt_in = tuple(k for names in opt_in for k in names.split(","))
-    dtype, names = sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]
+    dtype, names = sys.argv[1], sys.argv[2:]
     for name in names or [n for n in PRESETS if n.startswith("tiny-")]:
         try:
-            print(json.dumps(check(name, dtype, opt_in)), flush=True)
+            print(json.dumps(check(name, dtype)), flush=True)
         except Exception as exc:  # noqa: BLE001 - reported, the caller fails on it
             print(json.dumps({"preset": name, "dtype": dtype, "ok": False, "exception": repr(exc)}), flush=True)
 

@@ -46,20 +46,6 @@ def test_every_family_serves_each_dtype_batch_invariantly(dtype: str) -> None:
     assert all(r["ok"] for r in reports), [r for r in reports if not r["ok"]]
 
 
-def test_opt_in_rotary_attention_serves_batch_invariantly() -> None:
-    """models/rotary_attention.py turned on: a frame within its bound and one past it keep their bytes alone, in
-    every batch and eagerly, within the tower's own error of float32."""
-    presets = ["random:qwen3-vl-8b", "random:qwen2.5-vl-7b", *TINY]
-    proc = subprocess.run([sys.executable, "-m", "tests.cuda_dtype_check", "bfloat16", "--with=rotary_attention",
-                           *presets], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    for r in reports:
-        print(json.dumps(r))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(reports) == len(presets)
-    assert all(r["ok"] and r["opt_in"] for r in reports), [r for r in reports if not r["ok"]]
-
-
 def test_a_head_dim_off_a_multiple_of_8_serves_and_matches_transformers(tmp_path: Path) -> None:
     """Head dim 36 (a distilled Qwen2.5-VL-style tower): varlen_attn takes it zero-padded, graphs included."""
     from graphs.runner import GraphRunner, plan_for

@@ -21,10 +21,10 @@ pytest.importorskip("triton", reason="Triton is a test dependency on x86-64 Linu
 
 ROOT = Path(__file__).resolve().parents[1]
 K_NAMES = ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize", "gelu_epilogue", "fp8_rows",
-           "add_norm_fp8", "act_fp8", "rotary_attention")
+           "add_norm_fp8", "act_fp8")
 
 SCRIPT = r"""
-import itertools, json, torch
+import json, torch
 import triton.language as tl
 from triton.language.extra import libdevice
 from torch import nn
@@ -34,52 +34,6 @@ from models import kernels as K
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-def rotary_attention_cases(randn, gen):
-    # The fused rotary attention against rotary + attention per segment: head dims 72, 80 and 64, grouped
-    # heads, segments of 0 to 257 patches (257 is past the bound: its rows must stay as they were); a short
-    # item's rows alone and in a batch holding a long one are the same bytes; the layer's fused path against its
-    # torch path (the kernel turned on by hand: on the CPU `_use` refuses it).
-    from models import rotary_attention as RA
-    from models.layers import Attention
-    worst, same = 0.0, True
-    lengths = [0, 1, 64, 65, 130, RA.MAX_PATCHES, RA.MAX_PATCHES + 1, 7]
-    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
-    n = int(cu[-1])
-    for heads, kv, d in [(4, 2, 72), (3, 3, 80), (2, 1, 64)]:
-        rows = randn(n, heads + 2 * kv, d)
-        cos = torch.rand(n, d, generator=gen)[:, None, None]
-        sin = torch.rand(n, d, generator=gen)[:, None, None] - 0.5
-        fast = RA.rotary_attention_triton(rows, cos, sin, cu, heads, torch.full((n, heads, d), 7.0), max(lengths))
-        ref = K.rotary_attention_torch(rows, cos, sin, cu, torch.full((n, heads, d), 7.0))
-        long_rows = slice(int(cu[6]), int(cu[7]))
-        assert (fast[long_rows] == 7.0).all() and (ref[long_rows] == 7.0).all()
-        worst = max(worst, rel(fast, ref))
-        # the 130-patch item (segment 4) alone: the same bytes as in the batch above
-        lo, hi = int(cu[4]), int(cu[5])
-        alone = RA.rotary_attention_triton(rows[lo:hi], cos[lo:hi], sin[lo:hi],
-                                           torch.tensor([0, hi - lo], dtype=torch.int32),
-                                           heads, torch.zeros(hi - lo, heads, d), hi - lo)
-        same = same and torch.equal(alone, fast[lo:hi])
-    layer = Attention(3 * 16, 3, "sdpa")
-    x = torch.randn(n, 48, generator=gen)
-    cos, sin = torch.rand(n, 16, generator=gen)[:, None, None], torch.rand(n, 16, generator=gen)[:, None, None]
-    short = torch.tensor([0, 1, 65, 195], dtype=torch.int32)
-    with torch.no_grad():
-        plain = [layer(x, cos, sin, cu, max(lengths)), layer(x[:195], cos[:195], sin[:195], short, 130)]
-        enabled, use = set(K._enabled), K._use
-        K.set_enabled({"rotary_attention"})
-        K._use = lambda name, *tensors: name in K._enabled
-        try:
-            fused = [layer(x, cos, sin, cu, max(lengths)), layer(x[:195], cos[:195], sin[:195], short, 130)]
-        finally:
-            K.set_enabled(enabled)
-            K._use = use
-    layer_worst = max(rel(a, b) for a, b in zip(fused, plain))
-    taken = all(not torch.equal(a, b) for a, b in zip(fused, plain))  # other arithmetic: the kernel ran
-    return {"rotary_attention": worst, "rotary_attention_alone_same": same, "rotary_attention_layer": layer_worst,
-            "rotary_attention_layer_taken": taken}
-
 
 results = {}
 for dtype in (torch.float32, torch.bfloat16):
@@ -182,8 +136,6 @@ for dtype in (torch.float32, torch.bfloat16):
             assert s1.shape == s2.shape == n1.shape == (rows, dim)
             if rows:
                 worst["add_norm_taps"] = max(worst.get("add_norm_taps", 0), rel(s1, s2), rel(n1, n2))
-    if dtype == torch.float32:  # the interpreter's tl.dot takes no bfloat16: that dtype is checked on the GPU
-        worst.update(rotary_attention_cases(randn, gen))
     results[name] = worst
 results["check_kernels"] = K.check_kernels(torch.device("cpu"), torch.float32)
 print(json.dumps(results))
@@ -225,22 +177,12 @@ def test_fused_fp8_outputs_are_the_bytes_of_the_kernels_they_fuse(interpreted: d
     assert interpreted[dtype][kernel] == 0
 
 
-def test_rotary_attention_matches_rotary_then_attention(interpreted: dict) -> None:
-    """Per segment of at most the bound, in float32: the torch path's values; longer segments untouched; an
-    item's rows the same bytes alone as beside a long one; the layer the same through either path."""
-    result = interpreted["float32"]
-    assert result["rotary_attention"] < 1e-6
-    assert result["rotary_attention_alone_same"] is True
-    assert result["rotary_attention_layer"] < 1e-5 and result["rotary_attention_layer_taken"] is True
-
-
 def test_load_time_check_covers_every_triton_kernel(interpreted: dict) -> None:
     errors = interpreted["check_kernels"]
     # gelu_epilogue is cuBLASLt: GPU only
     assert set(errors) == set(K_NAMES) - {"gelu_epilogue"}
     assert errors["add_norm_fp8"] == errors["act_fp8"] == 0
-    assert max(errors[k] for k in ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize",
-                                   "rotary_attention")) < 1e-6
+    assert max(errors[k] for k in ("rotary", "rotary_tables", "act", "add_norm", "add_norm_taps", "normalize")) < 1e-6
     assert errors["fp8_rows"] < 0.05  # the share of bytes that differ (see above)
 
 

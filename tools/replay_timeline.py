@@ -10,9 +10,7 @@ graph is also timed replaying alone (`replay_ms`: graph_ms less the host's packi
     ladders to capture (exact: the default ladder plus a budget of exactly the workload's tokens; only: that budget
     alone, the quickest to capture);
     --unfused=a,b: also graphs captured with those fused kernels (models/kernels.py KERNELS) off, their torch
-    paths instead (what the fusion saves); --with=a,b: also graphs captured with those opt-in kernels
-    (models/kernels.py OPT_IN) on, once they pass their check; --rounds=N (5): timings alternate between every
-    graph set and the floor
+    paths instead (what the fusion saves); --rounds=N (5): timings alternate between every graph set and the floor
 
 Run it on the GPU when a tower's kernels or the replay path change; read it beside tools/padding_probe.py.
 """
@@ -37,7 +35,7 @@ from models import kernels, load_tower  # noqa: E402
 from service.bench.towers import cuda_time, floor_graph, random_items, tower_dims, workloads  # noqa: E402
 
 GROUPS = (  # first match names a kernel's group
-    ("attention", ("sdpa", "flash", "fmha", "attn", "_rotary_attention")),
+    ("attention", ("sdpa", "flash", "fmha", "attn")),
     ("attention setup", ("qkv_tma_setup", "_ragged_metadata", "Memset")),
     ("products", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas", "_scaled_mm")),
     ("norms", ("norm",)),
@@ -103,18 +101,12 @@ LADDERS = {"exact": lambda tokens: sorted(set(auto_budgets(16384)) | {tokens}),
 
 
 def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str, invariant: bool = True,
-         ladders: tuple[str, ...] = ("exact",), unfused: frozenset[str] = frozenset(), rounds: int = 5,
-         opt_in: frozenset[str] = frozenset()) -> None:
+         ladders: tuple[str, ...] = ("exact",), unfused: frozenset[str] = frozenset(), rounds: int = 5) -> None:
     """Every (kernel set, budget ladder) captured side by side and timed in alternation with the floor, `rounds`
     times (each a median of ten calls), so that a difference between them is not the machine's drift."""
     tower = load_tower(name, device="cuda", dtype="bfloat16", batch_invariant=invariant)
     fused = set(kernels._enabled)
     kernel_sets = {"fused": fused, **({"unfused": fused - unfused} if unfused else {})}
-    if opt_in:
-        checked = kernels.enable_opt_in(torch.device("cuda"), tuple(sorted(opt_in)))
-        print(json.dumps({"opt_in_check": checked}), flush=True)
-        kernel_sets["with"] = set(kernels._enabled)
-        kernels.set_enabled(fused)
     dims = tower_dims(tower)
     with open(out_path, "a") as out, torch.inference_mode():
         for wname in names or ("1x448", "32x224"):
@@ -150,7 +142,6 @@ def main(out_path: str, name: str = "random:qwen3-vl-8b", *names: str, invariant
                     if len(batches) == 1 and batches[0].key in runner.pool.graphs else None
                 row = {"model": name, "workload": wname, "tokens": tokens, "batch_invariant": invariant,
                        "kernels": kset, "unfused": sorted(unfused) if kset == "unfused" else [], "ladder": ladder,
-                       "with": sorted(kernel_sets[kset] - fused),
                        "batches": [str(b.key) for b in batches], "graph_ms": round(ms, 3), "replay_ms": replay_ms,
                        "rounds_ms": [round(t, 3) for t in times[kset, ladder]], "floor_ms": round(floor, 3),
                        "floor_rounds_ms": [round(t, 3) for t in floors], "over_floor": round(ms / floor, 3),
@@ -168,5 +159,4 @@ if __name__ == "__main__":
     opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
     main(*args, invariant="--no-batch-invariant" not in sys.argv,
          ladders=tuple(opts.get("ladders", "exact").split(",")),
-         unfused=frozenset(opts.get("unfused", "").split(",")) - {""}, rounds=int(opts.get("rounds", 5)),
-         opt_in=frozenset(opts.get("with", "").split(",")) - {""})
+         unfused=frozenset(opts.get("unfused", "").split(",")) - {""}, rounds=int(opts.get("rounds", 5)))
