@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the cuda-marked tests, then the benchmark. Logs under $OUT.
 # Use it for a GPU run of record: the figures in docs/performance.md come from it (or from `vitserve bench`).
+#   CUDA=0|1  CUDA_TESTS="files"  CUDA_SHARDS=N (the tests in N processes side by side)
 #   BENCH=0|1  MODELS=a,b  ONLY=w1,w2  QUANT=fp8 (FP8 rows too)  PROFILE="model@workload ..."  CHUNKING=model
 #   HF_VIDEO=1: pixels against transformers' video processors (needs torchvision: this machine)
 #   HTTP="model": `vitserve bench --http` against a real server (needs the .whl packages carried);
@@ -12,9 +13,19 @@ set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/cuda_tests.log"
-if [ "${CUDA:-1}" = 1 ]; then
+CUDA_TESTS=${CUDA_TESTS:-tests/test_cuda_graphs.py tests/test_cuda_http.py}
+if [ "${CUDA:-1}" = 1 ] && [ "${CUDA_SHARDS:-1}" -gt 1 ]; then
+  # side by side, each preset's tests in one process (tools/cuda_shards.py); a log per shard, the totals here
+  for k in $(seq 0 $((CUDA_SHARDS - 1))); do
+    # shellcheck disable=SC2046,SC2086 # one argument per test id; CUDA_TESTS may name several files
+    python3 -m pytest -v -m cuda -p no:cacheprovider $(python3 tools/cuda_shards.py "$CUDA_SHARDS" "$k" $CUDA_TESTS) \
+      > "$OUT/cuda_shard_$k.log" 2>&1 &
+  done
+  wait
+  grep -hE " (FAILED|ERROR)|^=+ .*(passed|failed|error|skipped)" "$OUT"/cuda_shard_*.log | tee -a "$OUT/cuda_tests.log"
+elif [ "${CUDA:-1}" = 1 ]; then
   # shellcheck disable=SC2086 # CUDA_TESTS may name several files
-  python3 -m pytest -q -m cuda -s ${CUDA_TESTS:-tests/test_cuda_graphs.py tests/test_cuda_http.py} 2>&1 | tee -a "$OUT/cuda_tests.log"
+  python3 -m pytest -q -m cuda -s $CUDA_TESTS 2>&1 | tee -a "$OUT/cuda_tests.log"
 fi
 if [ "${HF_VIDEO:-0}" = 1 ]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/test_video_hf_processors.py 2>&1 | tee "$OUT/video_hf.log"
