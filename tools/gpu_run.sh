@@ -17,9 +17,11 @@ CUDA_TESTS=${CUDA_TESTS:-tests/test_cuda_graphs.py tests/test_cuda_http.py}
 if [ "${CUDA:-1}" = 1 ] && [ "${CUDA_SHARDS:-1}" -gt 1 ]; then
   # side by side, each preset's tests in one process (tools/cuda_shards.py); a log per shard, the totals here
   for k in $(seq 0 $((CUDA_SHARDS - 1))); do
-    # shellcheck disable=SC2046,SC2086 # one argument per test id; CUDA_TESTS may name several files
-    python3 -m pytest -v -m cuda -p no:cacheprovider $(python3 tools/cuda_shards.py "$CUDA_SHARDS" "$k" $CUDA_TESTS) \
-      > "$OUT/cuda_shard_$k.log" 2>&1 &
+    # shellcheck disable=SC2086 # CUDA_TESTS may name several files
+    ids=$(python3 tools/cuda_shards.py "$CUDA_SHARDS" "$k" $CUDA_TESTS) || { echo "shard $k: collection failed"; continue; }
+    [ -n "$ids" ] || continue  # no ids would run every test
+    # shellcheck disable=SC2086 # one argument per test id
+    python3 -m pytest -v -m cuda -p no:cacheprovider $ids > "$OUT/cuda_shard_$k.log" 2>&1 &
   done
   wait
   grep -hE " (FAILED|ERROR)|^=+ .*(passed|failed|error|skipped)" "$OUT"/cuda_shard_*.log | tee -a "$OUT/cuda_tests.log"
