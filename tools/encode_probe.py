@@ -8,12 +8,14 @@ device's queue is full, so a replay's reads as the replay itself); `*_ms` are CU
 between calls (encode: packing, staging, replay and the split into items; run: without the split; replay: the
 graph alone; split and clone: the output's copy into items, and a plain copy of it); a cProfile of 50 encodes is
 printed. "layout" rows: one product captured 20 times in a graph, us each: the weight as stored ([out, in], `tn`)
-or transposed ([in, out], `nn`), with bias or the GELU epilogue, and the last merger product written into the
-joined output directly (`out_strided`) against a product and a copy.
+or transposed ([in, out], `nn`), without bias, with it or with the GELU epilogue, and the last merger product
+written into the joined output directly (`out_strided`) against a product and a copy.
 
 Found (H200, aa1dba5, `docs/bench/encode_host_h200_aa1dba5.jsonl`): the split cost 0.46 ms of host time for 32
 items (fixed in e5d2831), packing 106 us; `nn` no quicker than `tn` (slower at 4304 inputs); a strided output
-saves 2 us of 106 and gives other bytes.
+saves 2 us of 106 and gives other bytes. At e19750b (`docs/bench/products_bias_h200_e19750b.jsonl`) the qkv
+product of 6272 rows took 75.4 us with its bias, 81.9 without, 81.0 as `nn` without: not why the tower's is slower
+than the floor's in its graph (79 against 67).
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def layout_row(m: int, k: int, n: int, act: str | None) -> dict:
     wt = w.t().contiguous()
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     row = dict(probe="layout", shape=f"{m}x{k}x{n}", act=act,
-               tn_bias=graph_us(lambda: F.linear(x, w, b)), nn_bias=graph_us(lambda: torch.addmm(b, x, wt)))
+               tn_bias=graph_us(lambda: F.linear(x, w, b)), nn_bias=graph_us(lambda: torch.addmm(b, x, wt)),
+               tn=graph_us(lambda: F.linear(x, w)), nn=graph_us(lambda: torch.mm(x, wt)))
     if act:
         row["tn_gelubias"] = graph_us(lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))
         row["nn_gelubias"] = graph_us(lambda: torch._addmm_activation(b, x, wt, use_gelu=True))
