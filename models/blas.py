@@ -3,11 +3,13 @@
 cuBLAS picks a kernel by the problem's shape, and for few rows it splits the inner dimension (split-K,
 stream-K) and sums partial products in another order: the same item then gets other bytes alone than in
 a full batch (H200, torch 2.11: rows of a 3456->1280 product differed at 1 to 64 rows of 32768;
-`tools/invariance_probe.py gemm`). Without split reductions each output element is one sequential sum
-over K whatever the tile shape, and every row count gave the same rows, in bf16 and fp16, through
-cuBLASLt with its reduction scheme restricted to none. float32 products have no such switch: with no
-cuBLAS workspace they can split no more, and rows matched from 24 rows up (the eager forwards' rows are
-padded to at least 32 units; models/metadata.py). CPU products need nothing beyond that padding.
+`tools/invariance_probe.py gemm`). Those partial sums live in cuBLAS's workspace: with none (cuBLAS and
+cuBLASLt alike) each output element is one sequential sum over K whatever the tile shape, and every row
+count from 1 to 16384 gave the same rows of 32768, in bf16 and fp16, with and without bias and with the
+GELU epilogue; float32 from 24 rows up (the eager forwards' rows are padded to at least 32 units;
+models/metadata.py). Without a workspace cuBLASLt also takes its statically scheduled kernels, which need
+no memset of a tile counter before each product and ran 2-4 us quicker at 6272 rows (H200, torch 2.11;
+`tools/workspace_probe.py`). CPU products need nothing beyond that padding.
 """
 
 from __future__ import annotations
@@ -17,25 +19,29 @@ import os
 import torch
 
 NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
+_USER_SETTINGS = {key: os.environ.get(key) for key in NO_WORKSPACE}  # what "off" goes back to
 
 
-def batch_invariant_products(device: torch.device, dtype: torch.dtype, enabled: bool = True) -> None:
-    """Make this process's CUDA matrix products batch-invariant (or restore torch's defaults)."""
+def batch_invariant_products(device: torch.device, enabled: bool = True) -> None:
+    """Make this process's CUDA matrix products batch-invariant (or restore torch's defaults).
+
+    Call it before capturing graphs: torch reads the workspace sizes when it makes a stream's workspace, so a
+    change drops the workspaces made so far (the next product makes them anew), and a graph captured before
+    the change would still point into the memory they held."""
     if device.type != "cuda":
         return
     matmul = torch.backends.cuda.matmul
-    if not enabled:
-        torch.backends.cuda.preferred_blas_library("default")
-        matmul.allow_bf16_reduced_precision_reduction = (True, True)
-        matmul.allow_fp16_reduced_precision_reduction = (True, True)
+    if enabled and torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt:
+        torch.backends.cuda.preferred_blas_library("default")  # cuBLASLt refuses bias-less products no workspace
+    matmul.allow_bf16_reduced_precision_reduction = not enabled
+    matmul.allow_fp16_reduced_precision_reduction = not enabled
+    wanted = NO_WORKSPACE if enabled else _USER_SETTINGS
+    if all(os.environ.get(key) == value for key, value in wanted.items()):
         return
-    if dtype == torch.float32:
-        # Read by torch when cuBLAS first runs in the process: the tower's load is the first to run it.
-        # (Not with every product sent to cuBLASLt: torch 2.11 then fails to allocate its empty workspace.)
-        for key, value in NO_WORKSPACE.items():
-            os.environ.setdefault(key, value)
-        return
-    # Split reductions can be refused only through cuBLASLt's preference; torch then sends every product there.
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    matmul.allow_bf16_reduced_precision_reduction = (False, False)
-    matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    for key, value in wanted.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if torch.cuda.is_initialized():
+        torch._C._cuda_clearCublasWorkspaces()

@@ -78,7 +78,7 @@ def load_tower(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     check_backend_name(attention, dev)  # a bad name fails before any weight is read
-    batch_invariant_products(dev, dt, batch_invariant)  # before the first product of the process
+    batch_invariant_products(dev, batch_invariant)  # before any graph is captured
     enable_triton(dev)
     interim = "varlen" if dev.type == "cuda" else "sdpa"
     if model in PRESETS:

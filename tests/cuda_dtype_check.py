@@ -1,6 +1,6 @@
 """`python -m tests.cuda_dtype_check DTYPE[+fp8] [PRESET ...]`: every family served in DTYPE (its products in FP8
 with `+fp8`) on the GPU, one JSON line per preset (tests/test_cuda_invariance.py runs it, one fresh process per
-dtype: float32's products are made batch-invariant before cuBLAS first runs in a process, models/blas.py).
+dtype).
 
 For each preset: load, capture the graphs of two budgets, pass the start-up self-check, then
 - batch invariance: a target image's bytes alone, batched with 1, 7 and 31 others of mixed sizes (in the

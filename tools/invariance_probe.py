@@ -6,8 +6,8 @@
     python tools/invariance_probe.py cost MODEL [--out FILE]   # graph and eager ms, batch-invariant or not
 
 `gemm` runs twice, in fresh interpreters: with cuBLAS's default workspaces and with none
-(`CUBLAS_WORKSPACE_CONFIG=:0:0`, `CUBLASLT_WORKSPACE_SIZE=0`: no split-K nor stream-K partial sums),
-and times the towers' shapes both ways. Each report is one JSON line.
+(`CUBLAS_WORKSPACE_CONFIG=:0:0`, `CUBLASLT_WORKSPACE_SIZE=0`: no split-K nor stream-K partial sums, what
+models/blas.py sets), and times the towers' shapes both ways. Each report is one JSON line.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.blas import NO_WORKSPACE  # noqa: E402
+
 # Rows of one matrix product in the towers (M) and the (K, N) of their weights, Qwen2.5-VL-7B and Qwen3-VL-8B.
 ROWS = [1, 2, 3, 4, 5, 7, 8, 12, 16, 24, 31, 32, 48, 64, 100, 128, 196, 256, 500, 512, 784, 1000, 1024, 2048,
         4096, 8192, 16384]
@@ -30,7 +34,6 @@ SHAPES = {"qkv": (1280, 3840), "proj": (1280, 1280), "gate_up": (1280, 6912), "d
           "q3_qkv": (1152, 3456), "q3_fc1": (1152, 4304), "q3_fc2": (4304, 1152), "merge_fc1": (5120, 5120),
           "merge_fc2": (5120, 3584), "q3_merge_fc1": (4608, 4608)}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-NO_WORKSPACE = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
 
 
 def ms(fn, iters: int = 20) -> float:
@@ -47,8 +50,12 @@ def ms(fn, iters: int = 20) -> float:
 
 
 def gemm_once() -> dict:
+    from models.blas import batch_invariant_products
+
     torch.manual_seed(0)
     dev = torch.device("cuda")
+    # the child given no workspace runs under models/blas.py's whole setting (its reductions in float32 too)
+    batch_invariant_products(dev, all(os.environ.get(k) == v for k, v in NO_WORKSPACE.items()))
     report: dict = {"mismatched_rows": {}, "ms": {}}
     big = 32768
     for dname, dt in DTYPES.items():
@@ -195,7 +202,8 @@ def tower(model: str, out: Path | None, device: str = "cuda") -> None:
 
 def cost(model: str, out: Path | None) -> None:
     """What batch-invariant products cost (models/blas.py): the same workloads through graphs captured with
-    and without them, and eagerly, alternated in one process (bf16)."""
+    and without them, and eagerly, in one process (bf16). One setting after the other: a change of setting
+    drops the cuBLAS workspaces that graphs captured before it point into."""
     from graphs.runner import GraphRunner, plan_for
     from models import load_tower
     from models.blas import batch_invariant_products
@@ -203,22 +211,24 @@ def cost(model: str, out: Path | None) -> None:
 
     dev = torch.device("cuda")
     tw = load_tower(model, device="cuda", dtype="bfloat16")
-    runners = {}
-    for label, enabled in (("invariant", True), ("default", False)):
-        batch_invariant_products(dev, torch.bfloat16, enabled)
-        runners[label] = GraphRunner(tw, dev, plan_for(tw, 16384))
-        runners[label].capture()
     loads = workloads(tw.processor.patch_size)
-    for name in ("1x448", "32x224", "128x224", "8x1344x756", "video16f448"):
-        items = random_items(tw, loads[name])
-        row = {"probe": "cost", "model": model, "workload": name}
-        grids, pixels = [it.grid_thw for it in items], torch.cat([it.pixels for it in items])
-        for label, runner in runners.items():
-            row[f"graphs_{label}_ms"] = round(ms(lambda r=runner, i=items: r.encode(i), iters=10), 3)
-            batch_invariant_products(dev, torch.bfloat16, label == "invariant")
+    names = ("1x448", "32x224", "128x224", "8x1344x756", "video16f448")
+    rows = {name: {"probe": "cost", "model": model, "workload": name} for name in names}
+    for label, enabled in (("invariant", True), ("default", False)):
+        batch_invariant_products(dev, enabled)
+        runner = GraphRunner(tw, dev, plan_for(tw, 16384))
+        runner.capture()
+        for name in names:
+            items = random_items(tw, loads[name])
+            grids, pixels = [it.grid_thw for it in items], torch.cat([it.pixels for it in items])
+            rows[name][f"graphs_{label}_ms"] = round(ms(lambda r=runner, i=items: r.encode(i), iters=10), 3)
             modality = items[0].modality
-            row[f"eager_{label}_ms"] = round(ms(lambda r=runner, p=pixels, g=grids, m=modality: r.eager(p, g, m),
-                                                iters=5), 3)
+            rows[name][f"eager_{label}_ms"] = round(
+                ms(lambda r=runner, p=pixels, g=grids, m=modality: r.eager(p, g, m), iters=5), 3)
+        runner.pool.graphs.clear()
+        del runner
+        torch.cuda.empty_cache()
+    for row in rows.values():
         emit(row, out)
 
 
