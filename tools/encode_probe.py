@@ -11,11 +11,12 @@ printed. "layout" rows: one product captured 20 times in a graph, us each: the w
 or transposed ([in, out], `nn`), without bias, with it or with the GELU epilogue, and the last merger product
 written into the joined output directly (`out_strided`) against a product and a copy.
 
-Found (H200, aa1dba5, `docs/bench/encode_host_h200_aa1dba5.jsonl`): the split cost 0.46 ms of host time for 32
-items (fixed in e5d2831), packing 106 us; `nn` no quicker than `tn` (slower at 4304 inputs); a strided output
-saves 2 us of 106 and gives other bytes. At e19750b (`docs/bench/products_bias_h200_e19750b.jsonl`) the qkv
+Found (H200, aa1dba5, `docs/bench/encode_host_h200_aa1dba5.jsonl`): the split cost 0.46 ms of host time for 32 items
+(fixed in e5d2831), packing 106 us; `nn` no quicker than `tn` (slower at 4304 inputs); a strided output saves 2 us
+of 106 and gives other bytes. At e19750b (docs/bench/products_bias_h200_e19750b.jsonl, in git history) the qkv
 product of 6272 rows took 75.4 us with its bias, 81.9 without, 81.0 as `nn` without: not why the tower's is slower
-than the floor's in its graph (79 against 67).
+than the floor's in its graph (79 against 67); at 2db844d, without cuBLAS's workspace, the tower's products and GELU
+take what the floor's do (docs/performance.md).
 """
 
 from __future__ import annotations

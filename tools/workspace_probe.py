@@ -4,11 +4,12 @@ workspace variables when cuBLAS first runs).
 
     python3 tools/workspace_probe.py OUT.jsonl
 
-Found (H200, torch 2.11, `docs/bench/cublaslt_workspace_h200.jsonl`, with the older setting of models/blas.py that
-kept torch's workspace): from about 6000 rows every product of 1152 inputs takes a memset first, with any workspace;
-without one cuBLASLt takes the statically scheduled ("ssched") variants, memset-free and 1.2-2.5 us quicker at 6272
-rows. Sending every product to cuBLASLt with no workspace fails in torch 2.11 ("OOM trying to allocate workspace
-for cublaslt"); models/blas.py now removes the workspaces and leaves bias-less products to cuBLAS.
+Found (H200, torch 2.11, docs/bench/cublaslt_workspace_h200.jsonl in git history, with the older setting of
+models/blas.py that kept torch's workspace): from about 6000 rows every product of 1152 inputs takes a memset first,
+with any workspace; without one cuBLASLt takes the statically scheduled ("ssched") variants, memset-free and 1.2-2.5
+us quicker at 6272 rows. Sending every product to cuBLASLt with no workspace fails in torch 2.11 ("OOM trying to
+allocate workspace for cublaslt"); models/blas.py now removes the workspaces and leaves bias-less products to
+cuBLAS.
 """
 import json
 import os
