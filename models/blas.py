@@ -8,7 +8,7 @@ cuBLASLt alike) each output element is one sequential sum over K whatever the ti
 count from 1 to 16384 gave the same rows of 32768, in bf16 and fp16, with and without bias and with the
 GELU epilogue; float32 from 24 rows up (the eager forwards' rows are padded to at least 32 units;
 models/metadata.py). Without a workspace cuBLASLt also takes its statically scheduled kernels, which need
-no memset of a tile counter before each product and ran 2-4 us quicker at 6272 rows (H200, torch 2.11;
+no memset of a tile counter before each product and ran 1-4 us quicker at 6272 rows (H200, torch 2.11;
 `tools/workspace_probe.py`). CPU products need nothing beyond that padding.
 """
 
@@ -32,7 +32,8 @@ def batch_invariant_products(device: torch.device, enabled: bool = True) -> None
         return
     matmul = torch.backends.cuda.matmul
     if enabled and torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt:
-        torch.backends.cuda.preferred_blas_library("default")  # cuBLASLt refuses bias-less products no workspace
+        # torch 2.11's cuBLASLt refuses bias-less products without a workspace; cuBLAS takes them
+        torch.backends.cuda.preferred_blas_library("default")
     matmul.allow_bf16_reduced_precision_reduction = not enabled
     matmul.allow_fp16_reduced_precision_reduction = not enabled
     wanted = NO_WORKSPACE if enabled else _USER_SETTINGS
