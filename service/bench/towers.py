@@ -201,7 +201,15 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen", fp8: bool = Fa
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    return graph.replay
+
+    def replay() -> None:
+        # Holds `forward`, and with it the weights, inputs and boundaries the graph reads: freed, their memory
+        # would go to the next tensor made, and the floor would time products of whatever it holds and
+        # attention over whatever boundaries it holds (or read out of bounds).
+        graph.replay()
+        assert forward is not None
+
+    return replay
 
 
 # transformers' attention for a family's reference where it is not sdpa (Hy4's text attention has sinks, which
