@@ -26,6 +26,9 @@ TINY = [n for n in PRESETS if n.startswith("tiny-")]
 # them in wiring, which their tiny presets check in every dtype).
 PRESETS_BY_DTYPE = {"bfloat16": FULL + TINY, "float16": FULL[:4] + TINY, "float32": FULL[:4] + TINY,
                     "bfloat16+fp8": FULL[:4] + TINY}  # --quantization fp8 (graphs/precision.py)
+# On random weights the load gate refuses GLM-4.1V's FP8 (its gated MLP alone falls below the bar;
+# docs/performance.md, "FP8"): it must be refused with its figure, never served below the bar.
+FP8_REFUSED = {"random:glm-4.1v-9b"}
 
 
 def child_env() -> dict[str, str]:
@@ -43,7 +46,10 @@ def test_every_family_serves_each_dtype_batch_invariantly(dtype: str) -> None:
         print(json.dumps(r))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(reports) == len(PRESETS_BY_DTYPE[dtype])
-    assert all(r["ok"] for r in reports), [r for r in reports if not r["ok"]]
+    refused = [r for r in reports if dtype.endswith("+fp8") and r["preset"] in FP8_REFUSED]
+    assert all("QuantizationRefused" in r.get("exception", "") and "below the bar" in r["exception"]
+               for r in refused), refused
+    assert all(r["ok"] for r in reports if r not in refused), [r for r in reports if not r["ok"] and r not in refused]
 
 
 def test_a_head_dim_off_a_multiple_of_8_serves_and_matches_transformers(tmp_path: Path) -> None:
