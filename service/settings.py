@@ -96,7 +96,8 @@ class ServeSettings(BaseModel):
     served_model_name: str | None = flag("model name reported by the API (default: --model)", default=None)
     max_batch_tokens: int = flag("token budget of the largest batch and graph (default 16384)", default=16384, ge=1)
     budgets: list[int] | None = flag("graph token budgets, separated by commas or spaces, or auto (default: powers "
-                                     "of two up to --max-batch-tokens)", default=None)
+                                     "of two up to --max-batch-tokens); auto with sizes (auto,196,1568) adds them to "
+                                     "the automatic ones", default=None)
     budget_steps: int = flag("automatic budgets per doubling (default 1, powers of two; 4 adds 1.25, 1.5 and 1.75 "
                              "times each: a batch pads at most a quarter, for about 4x the graphs to capture)",
                              default=1, ge=1, le=8)
@@ -199,6 +200,30 @@ class ServeSettings(BaseModel):
         if value in (None, [], ["auto"]):
             return None
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_and_sizes(cls, data: Any) -> Any:
+        """`--budgets auto,196,1568`: the automatic ladder (of --max-batch-tokens and --budget-steps) and these
+        sizes, for traffic whose common sizes fall just past a rung and would pay the padding."""
+        parts = _split_list(data.get("budgets")) if isinstance(data, dict) else None
+        if not isinstance(parts, list) or len(parts) < 2 or "auto" not in [str(p).lower() for p in parts]:
+            return data
+        sizes = [p for p in parts if str(p).lower() != "auto"]
+        try:
+            top, steps = int(data.get("max_batch_tokens", 16384)), int(data.get("budget_steps", 1))
+        except (TypeError, ValueError):
+            return {**data, "budgets": sizes}  # their own errors name the flags at fault
+        from graphs.budgets import auto_budgets
+
+        ladder = auto_budgets(top, min(64, top), steps) if top >= 1 and steps >= 1 else []
+        try:
+            numbers = [int(p) for p in sizes]
+        except (TypeError, ValueError):
+            return {**data, "budgets": [*ladder, *sizes]}  # the field's own check names the bad size
+        if any(n > top for n in numbers):
+            raise ValueError(f"--budgets auto with sizes: {max(numbers)} is over --max-batch-tokens {top}")
+        return {**data, "budgets": sorted(set(ladder) | set(numbers))}
 
     @field_validator("replicas", mode="before")
     @classmethod

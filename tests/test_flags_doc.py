@@ -12,7 +12,7 @@ import pytest
 from service import flags_doc
 from service.cli import main
 from service.http.server import settings_from_args
-from service.settings import ServeSettings
+from service.settings import ServeSettings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +86,22 @@ def test_the_readme_flags_exist(capsys: pytest.CaptureFixture[str], monkeypatch:
     table = readme[readme.index("## Flags"):readme.index("## Offline encoding")]
     named = set(re.findall(r"`(--[a-z][a-z0-9-]*)", table))
     assert named and all(flag in shown for flag in named), sorted(f for f in named if f not in shown)
+
+
+def test_budgets_auto_with_sizes_adds_them_to_the_automatic_ladder() -> None:
+    from graphs.budgets import GraphKey, auto_budgets
+    from graphs.packing import PackItem, pack
+    from graphs.runner import plan_for
+    from models import load_tower
+
+    s = ServeSettings.from_sources({"budgets": "auto,196 1568"}, env={})
+    assert s.budgets == sorted(set(auto_budgets(16384)) | {196, 1568})
+    s = ServeSettings.from_sources({"max_batch_tokens": "2048"}, env={"VITSERVE_BUDGETS": "auto 196"})
+    assert s.budgets == [64, 128, 196, 256, 512, 1024, 2048]
+    with pytest.raises(SettingsError, match="4096 is over --max-batch-tokens 2048"):
+        ServeSettings.from_sources({"budgets": "auto,4096", "max_batch_tokens": "2048"}, env={})
+    # a 448x448 image (196 tokens) then replays in its own budget, not padded to 256
+    tower = load_tower("tiny-qwen3-vl", device="cpu", dtype="float32")
+    plan = plan_for(tower, s.max_batch_tokens, s.budgets)
+    [batch] = pack([PackItem.of((1, 28, 28), "image", tower.geometry)], plan, None, set())
+    assert batch.key == GraphKey("image", 196, batch.key.length_class)
