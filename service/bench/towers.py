@@ -203,12 +203,12 @@ def floor_graph(d: dict, grids, tower, attention: str = "varlen", fp8: bool = Fa
         forward()
 
     def replay() -> None:
-        # Holds `forward`, and with it the weights, inputs and boundaries the graph reads: freed, their memory
-        # would go to the next tensor made, and the floor would time products of whatever it holds and
-        # attention over whatever boundaries it holds (or read out of bounds).
         graph.replay()
-        assert forward is not None
 
+    # The graph reads the weights, inputs and boundaries `forward` holds: freed, their memory would go to the next
+    # tensor made, and the floor would time products of whatever it holds and attention over whatever boundaries
+    # it holds (or read out of bounds).
+    replay.holds = forward  # type: ignore[attr-defined]
     return replay
 
 
