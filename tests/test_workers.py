@@ -230,18 +230,20 @@ def test_a_job_that_crashes_twice_fails_alone_and_the_workers_are_replaced() -> 
 def test_a_request_with_many_items_does_not_hold_up_another(size: int) -> None:
     """Owner A queues eight jobs first, B one job after: B's runs among the next jobs a worker takes (by the
     order the jobs started in: the order they finished in follows each worker's pace, which a loaded host
-    makes uneven)."""
+    makes uneven). A's jobs last long enough that B is queued while A's first ones still run: with 0.1 s a
+    loaded host's event loop once looked only after a third had started."""
 
     async def scenario(pool: WorkerPool) -> list[str]:
         a, b = Owner("a"), Owner("b")
         started: list[tuple[float, str]] = []
 
-        async def job(owner: Owner, name: str) -> None:
-            started.append(tuple(await pool.call(owner, f"{JOBS}:stamped_nap", 0.1, name)))
+        async def job(owner: Owner, name: str, seconds: float) -> None:
+            started.append(tuple(await pool.call(owner, f"{JOBS}:stamped_nap", seconds, name)))
 
-        tasks = [asyncio.ensure_future(job(a, f"a{i}")) for i in range(8)]
+        tasks = [asyncio.ensure_future(job(a, f"a{i}", 0.4)) for i in range(8)]
         await until(lambda: pool.stats()["busy"] == size, 10)
-        tasks.append(asyncio.ensure_future(job(b, "b")))
+        assert not started, started  # B comes while A's first jobs run
+        tasks.append(asyncio.ensure_future(job(b, "b", 0.1)))
         await asyncio.gather(*tasks)
         return [name for _, name in sorted(started)]
 
