@@ -91,8 +91,7 @@ class BudgetPlan:
             raise BudgetError(f"--max-batch-tokens must be positive, got {max_batch_tokens}")
         if steps_per_octave < 1:
             raise BudgetError(f"--budget-steps must be at least 1, got {steps_per_octave}")
-        chosen = sorted(set(budgets)) if budgets else auto_budgets(max_batch_tokens, min(64, max_batch_tokens),
-                                                                    steps_per_octave)
+        chosen = sorted(set(budgets)) if budgets else auto_budgets(max_batch_tokens, steps_per_octave=steps_per_octave)
         if chosen[0] < 1:
             raise BudgetError(f"--budgets must be positive token counts, got {chosen}")
         items = min(DEFAULT_MAX_ITEMS, chosen[-1]) if max_items is None else max_items

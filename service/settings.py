@@ -216,7 +216,7 @@ class ServeSettings(BaseModel):
             return {**data, "budgets": sizes}  # their own errors name the flags at fault
         from graphs.budgets import auto_budgets
 
-        ladder = auto_budgets(top, min(64, top), steps) if top >= 1 and steps >= 1 else []
+        ladder = auto_budgets(top, steps_per_octave=steps) if top >= 1 and steps >= 1 else []  # BudgetPlan's own
         try:
             numbers = [int(p) for p in sizes]
         except (TypeError, ValueError):
