@@ -1,9 +1,10 @@
 """Feeds what a real `vitserve serve` sends to SGLang 0.5.23's own receiving code; run by
 tests/test_sglang_handoff.py in SGLang's environment (tools/sglang_env.sh), one process per scheduler rank:
 
-    <sglang-env>/bin/python tests/sglang_driver.py RANK WORLD tcp://127.0.0.1:PORT < request.json
+    <sglang-env>/bin/python tests/sglang_driver.py RANK WORLD file:///RENDEZVOUS-FILE <<< /path/to/request.json
 
-Every rank reads the same request; rank 0 prints the report and writes the tensors.
+Every rank reads the same request; rank 0 writes the report (`report_out`) and the tensors (`tensors_out`).
+SIGUSR1 writes every thread's stack to stderr (the test asks for it before it kills a driver that overran).
 
 It imports only SGLang, torch and the standard library. For each model (a checkpoint folder without weights,
 from tests/checkpoints.py) it publishes SGLang's configuration as a language-only server's
@@ -29,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import faulthandler
 import json
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -217,13 +220,18 @@ def run_scheduler_case(model: Model, case: dict[str, Any], rank: int, tp: tuple[
     deadline = time.monotonic() + CASE_TIMEOUT_S
     report: dict[str, Any] = {"ok": False}
     try:
-        while time.monotonic() < deadline:
-            news = [None]
+        while True:
+            # Rank 0 decides for every rank of the case, so that they stop at the same tick: a rank that left
+            # the loop alone would leave the others waiting in this broadcast.
+            news: list[Any] = [None]
             if rank == 0:
-                news[0] = [errors.pop(0) for _ in range(len(errors))]
+                news[0] = ([errors.pop(0) for _ in range(len(errors))], time.monotonic() > deadline)
             if size > 1:
                 dist.broadcast_object_list(news, src=0, group=group.cpu_group)
-            pending += [e for e in news[0] if isinstance(e, EncoderDispatchErrorReq)]
+            dispatch_errors, overdue = news[0]
+            if overdue:
+                break
+            pending += [e for e in dispatch_errors if isinstance(e, EncoderDispatchErrorReq)]
             ready_reqs, aborts = receiver.process_waiting_requests(pending)
             pending = []
             if aborts:
@@ -292,6 +300,7 @@ def check_wire(case: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     started = time.monotonic()
     # SGLang's imports first (what its receiver loads for its processors), while vitserve's servers start
     from sglang.srt.managers.multimodal_processor import import_processors
@@ -300,7 +309,8 @@ def main() -> int:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     tp = groups(rank, world)
     log(rank, f"ready in {time.monotonic() - started:.1f}s")
-    request = json.load(sys.stdin)
+    with open(sys.stdin.readline().strip()) as f:  # the request's path, once the test has written it
+        request = json.load(f)
     tensors: dict[str, torch.Tensor] = {}
     reports: dict[str, Any] = {}
     for spec in request["models"]:
@@ -333,8 +343,13 @@ def main() -> int:
         save_file({k: v for _, part in gathered for k, v in part.items()}, request["tensors_out"])
         import sglang
 
-        print(json.dumps({"sglang": sglang.__version__, "torch": torch.__version__,
-                          "cases": {k: v for part, _ in gathered for k, v in part.items()}}))
+        report = json.dumps({"sglang": sglang.__version__, "torch": torch.__version__,
+                             "cases": {k: v for part, _ in gathered for k, v in part.items()}})
+        written = request["report_out"] + ".part"  # whole or absent: renamed once written
+        with open(written, "w") as f:
+            f.write(report)
+        os.replace(written, request["report_out"])
+    log(rank, f"done in {time.monotonic() - started:.1f}s")
     return 0
 
 
@@ -345,4 +360,5 @@ def log(rank: int, message: str) -> None:
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)  # the receivers' daemon threads and ZMQ contexts need no orderly end here

@@ -16,9 +16,12 @@ environment fails them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +44,7 @@ from tests.checkpoints import (
     write_sglang_kimi_folder,
     write_vllm_model_folder,
 )
-from tests.http_helpers import ROOT, ServerThread, free_port, image_bytes, settings
+from tests.http_helpers import ROOT, ServerThread, image_bytes, settings
 from tests.videos import make_video
 
 PYTHON_VAR = "VITSERVE_SGLANG_PYTHON"
@@ -76,6 +79,8 @@ STEP_SECONDS = ["0.0", "2.0", "4.0", "6.0", "8.0"]
 # vitserve's --sglang-timeout-s here: a part whose ranks never register fails after it, and so does a push its
 # receiver has not taken by then (at 5 s, one push of the whole suite beside a busy core did: failed 1)
 TIMEOUT_S = 12
+# Both drivers, from the request to their reports (about 30 s on two cores; SGLang waits 60 s for a part)
+DRIVERS_TIMEOUT_S = 300
 
 
 def sglang_python() -> str:
@@ -188,6 +193,29 @@ def push_counts(client: httpx.Client) -> dict[str, float]:
     return out
 
 
+def wait_for_drivers(drivers: list[subprocess.Popen]) -> list[int | None]:
+    """Each driver's exit code, None for one still running at the deadline: that one is first asked for its
+    threads' stacks (SIGUSR1, into its log), so that the failure says where it waited."""
+    deadline = time.monotonic() + DRIVERS_TIMEOUT_S
+    codes: list[int | None] = []
+    for d in drivers:
+        try:
+            codes.append(d.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            d.send_signal(signal.SIGUSR1)
+            codes.append(None)
+    if None in codes:
+        time.sleep(1)  # the stacks reach the logs
+    return codes
+
+
+def end_session(driver: subprocess.Popen) -> None:
+    """The driver and whatever it forked."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Run:
     python = sglang_python()  # skips here, before any server starts, where SGLang's environment is not set up
@@ -195,11 +223,12 @@ def run(tmp_path_factory) -> Run:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
     env.update(SGLANG_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH="",
                SGLANG_ENCODER_RECV_TIMEOUT="60")
-    init = f"tcp://127.0.0.1:{free_port()}"
+    init = f"file://{work / 'rendezvous'}"  # gloo's rendezvous in a file: no port to lose to another process
     logs = [open(work / f"rank{r}.log", "w") for r in range(2)]  # noqa: SIM115 - closed below
+    # Each driver in a session of its own: the processes SGLang forks (its processors' pools) end with it.
     drivers = [subprocess.Popen([python, str(ROOT / "tests" / "sglang_driver.py"), str(r), "2", init],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[r], text=True, cwd=work,
-                                env=env) for r in range(2)]
+                                stdin=subprocess.PIPE, stdout=logs[r], stderr=subprocess.STDOUT, text=True,
+                                cwd=work, env=env, start_new_session=True) for r in range(2)]
     # Each family's folder first: this imports transformers' config classes here, not in the threads below
     # (whose concurrent lazy imports of transformers race).
     folders = {name: FOLDERS.get(PRESETS[name].family, write_vllm_model_folder)(name, work / name) for name in MODELS}
@@ -208,7 +237,9 @@ def run(tmp_path_factory) -> Run:
     try:
         with ThreadPoolExecutor(len(servers)) as pool:  # the servers start side by side
             list(pool.map(lambda s: s.__enter__(), servers.values()))
-        request: dict[str, Any] = {"tensors_out": str(work / "out.safetensors"), "models": []}
+        report_path = work / "report.json"
+        request: dict[str, Any] = {"tensors_out": str(work / "out.safetensors"), "report_out": str(report_path),
+                                   "models": []}
         reference = {}
         for name, srv in servers.items():
             folder = folders[name]
@@ -219,28 +250,26 @@ def run(tmp_path_factory) -> Run:
             request["models"].append({"name": name, "dir": str(folder), "url": srv.url, "cases": model_cases(name),
                                       # Kimi's released processor is remote code, as is this folder's
                                       "trust_remote_code": PRESETS[name].family == "kimi_k25"})
-        text = json.dumps(request)
-        for d in drivers:
-            d.stdin.write(text)  # type: ignore[union-attr]
-            d.stdin.close()  # type: ignore[union-attr]
-        out = drivers[0].stdout.read()  # type: ignore[union-attr]
-        codes = [d.wait(timeout=600) for d in drivers]
-        if codes != [0, 0] or not out.strip():
-            for f in logs:
-                f.flush()
-            tail = "\n".join((work / f"rank{r}.log").read_text()[-4000:] for r in range(2))
+        request_path = work / "request.json"
+        request_path.with_suffix(".part").write_text(json.dumps(request))
+        request_path.with_suffix(".part").replace(request_path)
+        for d in drivers:  # a line, which the pipe holds whether or not the driver reads it yet
+            with contextlib.suppress(BrokenPipeError):  # a driver that died: its exit code and log say why
+                d.stdin.write(f"{request_path}\n")  # type: ignore[union-attr]
+                d.stdin.close()  # type: ignore[union-attr]
+        codes = wait_for_drivers(drivers)
+        if codes != [0, 0] or not report_path.is_file():
+            tail = "\n".join((work / f"rank{r}.log").read_text()[-6000:] for r in range(2))
             pytest.fail(f"sglang_driver.py failed (exit {codes}); {HOW}\n{tail}")
         metrics = {}
         for name, srv in servers.items():
             with srv.client() as c:
                 metrics[name] = push_counts(c)
-        return Run(json.loads(out.strip().splitlines()[-1])["cases"], load_file(work / "out.safetensors"), reference,
+        return Run(json.loads(report_path.read_text())["cases"], load_file(work / "out.safetensors"), reference,
                    metrics, folders)
     finally:
         for d in drivers:
-            if d.poll() is None:
-                d.kill()
-                d.wait()
+            end_session(d)
         for f in logs:
             f.close()
         for srv in servers.values():
