@@ -244,6 +244,8 @@ class Metrics:
         self.batch_tokens = Histogram("vitserve_batch_tokens", "Merged tokens per batch",
                                       buckets=TOKEN_BUCKETS, registry=r)
         self.batch_items = Histogram("vitserve_batch_items", "Items per batch", buckets=ITEM_BUCKETS, registry=r)
+        self.replay_tokens = Counter("vitserve_replay_tokens", "Tokens of the budgets graph replays ran: the items' "
+                                     "own, and the padding that filled the rest", ["kind"], registry=r)
         self.items = Counter("vitserve_items", "Items encoded, by modality", ["modality"], registry=r)
         self.tokens = Counter("vitserve_tokens", "Merged tokens encoded", registry=r)
         self.cancelled = Counter("vitserve_cancelled_items", "Items whose request went away (client gone or timed "

@@ -27,6 +27,7 @@ from typing import Any
 from graphs.packing import PackItem, pack
 from service import shm
 from service.engine.backends import Backend
+from service.engine.padding import PaddingLedger
 from service.engine.types import (
     BatchJob,
     EngineDied,
@@ -131,6 +132,7 @@ class Batcher:
         self.batches: dict[int, int] = {}  # engine index -> batches completed
         self.items: dict[int, int] = {}
         self.throughput: dict[int, Throughput] = {}
+        self.padding = PaddingLedger()
 
     def start(self, loop: asyncio.AbstractEventLoop, engines: list[Backend], model: ModelInfo) -> None:
         self.loop, self.engines, self.model = loop, engines, model
@@ -281,6 +283,10 @@ class Batcher:
         self.metrics.gpu_seconds.observe(seconds)
         self.metrics.batch_tokens.observe(batch.tokens)
         self.metrics.batch_items.observe(len(flight.works))
+        if batch.replays and not self.settings.eager:  # a replay pays its whole budget (eager: its own tokens)
+            self.padding.add(batch.key.modality, batch.tokens, batch.key.budget)
+            self.metrics.replay_tokens.labels("items").inc(batch.tokens)
+            self.metrics.replay_tokens.labels("padding").inc(batch.key.budget - batch.tokens)
         self.batches[flight.engine.index] += 1
         self.items[flight.engine.index] += len(flight.works)
         for w, it in zip(flight.works, flight.job.items):

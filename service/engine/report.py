@@ -72,6 +72,8 @@ def engine_info(engine: Reported) -> dict[str, Any]:
         "geometry": {"tokens": m.geometry.describe(), "rule": type(m.geometry).__name__,
                      **dataclasses.asdict(m.geometry)},
         "budgets": list(m.plan.budgets),
+        # this front's replays: how much of their budgets was padding, and the budgets that would save it
+        "padding": engine.batcher.padding.report(m.plan.budgets),
         "max_batch_items": m.plan.max_items,
         "t_capture": m.plan.t_capture,
         "captured": list(m.captured),
