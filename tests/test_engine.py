@@ -11,7 +11,7 @@ import torch
 
 from graphs.runner import GraphRunner, plan_for
 from models.loader import load_tower
-from service.engine.batcher import MAX_INFLIGHT
+from service.engine.batcher import MAX_INFLIGHT, Throughput
 from service.engine.core import Engine
 from service.engine.executor import BatchExecutor
 from service.engine.types import EngineFailure, ItemError, ItemResult, MediaItem, NotReady, Overloaded, RequestRejected
@@ -260,6 +260,16 @@ def test_admission_counts_estimated_tokens_before_decoding(tower):
 
     jobs, reserved = run(tower, body, runner, max_queued_tokens=100, max_wait_ms=0, max_batch_items=1)
     assert reserved == 0 and jobs == MAX_INFLIGHT + 2 + 2  # one per request, the two refused ones included
+
+
+def test_an_engine_back_from_a_restart_is_measured_from_its_return():
+    """Batches queued while the engine was down (at 2 s; back at 10 s) cost it only their time since its
+    return: 1000 tokens every 0.5 s is 2000 tokens/s, not the 141 it would be charged with its downtime."""
+    rate = Throughput(since=10.0)
+    for k in range(Throughput.MIN_BATCHES):
+        assert rate.rate is None
+        rate.add(1000, ready=2.0, done=10.5 + 0.5 * k)
+    assert rate.rate == pytest.approx(2000)
 
 
 def test_preprocessing_errors_name_the_item(tower):

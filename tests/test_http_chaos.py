@@ -110,7 +110,8 @@ def test_the_server_heals_under_killed_workers_and_a_killed_engine() -> None:
         baseline = tree_rss(pid)
         engine_pids = [e["pid"] for e in admin.get("/info").json()["engines"]]
 
-        outcomes: list[tuple[float, str, int | str, str | None]] = []  # (time, item, status or error, retry-after)
+        # (time, item, status or error, retry-after, the body of an answer neither 200 nor 503)
+        outcomes: list[tuple[float, str, int | str, str | None, str | None]] = []
         stop = threading.Event()
         began = time.monotonic()
 
@@ -121,12 +122,12 @@ def test_the_server_heals_under_killed_workers_and_a_killed_engine() -> None:
                     name, item = rng.choice(traffic)
                     try:
                         r = c.post("/encode", json={"items": [item]})
-                        outcomes.append((time.monotonic() - began, name, r.status_code,
-                                         r.headers.get("retry-after")))
+                        outcomes.append((time.monotonic() - began, name, r.status_code, r.headers.get("retry-after"),
+                                         None if r.status_code in (200, 503) else r.text[:300]))
                         if r.status_code == 503:
                             time.sleep(0.2)
                     except httpx.HTTPError as exc:  # a dropped connection or a timeout: never acceptable
-                        outcomes.append((time.monotonic() - began, name, f"{type(exc).__name__}: {exc}", None))
+                        outcomes.append((time.monotonic() - began, name, f"{type(exc).__name__}: {exc}", None, None))
 
         killed = {"workers": 0, "engines": 0}
         engines_down: list[float] = []

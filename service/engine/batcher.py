@@ -75,17 +75,20 @@ class Throughput:
     device, writing its outputs) and the front's time between batches while work waited (dispatching, which
     a loaded host stretches), but nothing of the time the engine sat idle with no work. The rate is decayed
     sums of tokens over decayed sums of those times, so large batches weigh as much as their tokens (a lone
-    small batch, slower per token, does not drag down the estimate of a loaded engine). None until
-    `MIN_BATCHES` batches are measured: the first ones pay for warm-up."""
+    small batch, slower per token, does not drag down the estimate of a loaded engine). Nor the time before
+    the engine took work (`since`): an engine back from a restart, its first batch queued while it was
+    down, would otherwise be charged for its restart, and its rate, a tenth of the true one for a dozen
+    batches, would refuse work with 429 that it could do in time. None until `MIN_BATCHES` batches are
+    measured: the first ones pay for warm-up."""
 
     DECAY = 0.8  # per batch
     MIN_BATCHES = 3
 
-    def __init__(self) -> None:
+    def __init__(self, since: float = 0.0) -> None:
         self.tokens = 0.0
         self.seconds = 0.0
         self.batches = 0
-        self.last_done = 0.0
+        self.last_done = since  # `time.monotonic()` when the engine began to take batches
 
     def add(self, tokens: int, ready: float, done: float) -> None:
         """A batch of `tokens`, its first item queued at `ready`, came back at `done` (`time.monotonic()`)."""
@@ -138,13 +141,14 @@ class Batcher:
         self.loop, self.engines, self.model = loop, engines, model
         for e in engines:
             self.batches[e.index] = self.items[e.index] = 0
-            self.throughput[e.index] = Throughput()
             self.attach(e)
 
     def attach(self, engine: Backend) -> None:
-        """Take batches to `engine` from now on: at start, and when it is back from a restart."""
+        """Take batches to `engine` from now on: at start, and when it is back from a restart (measured
+        afresh, from now)."""
         assert self.loop is not None
         self._outstanding[engine.index] = 0
+        self.throughput[engine.index] = Throughput(since=time.monotonic())
         engine.attach(self.loop, self._on_reply, self._on_exit)
         self.kick()
 
@@ -324,7 +328,6 @@ class Batcher:
             self._fail(f, EngineDied(f"engine {engine.index} ({engine.device}) exited (code {engine.exitcode}) "
                                      "while running this request; retry it"))
         self._outstanding[engine.index] = 0
-        self.throughput[engine.index] = Throughput()  # a replacement is measured afresh
         if engine.state == "stopped":
             return
         left = sum(e.state == "ready" for e in self.engines)
