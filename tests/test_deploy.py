@@ -361,6 +361,7 @@ VALUE_SETS: dict[str, Any] = {
     "init-container": INIT_CONTAINER_VALUES,
     "replicas-3": {"replicaCount": 3, "server": {"llmUrl": "http://vllm:8000"}},
     "autoscaling": {"autoscaling": {"enabled": True}},
+    "traffic-budgets": {"server": {"budgets": "auto,196,1568"}},
 }
 
 
@@ -488,6 +489,8 @@ TYPOS = [
     {"peerDiscovery": {"enabled": "yes"}},
     {"peerDiscovery": {"dnsDomain": "cluster.local"}},
     {"server": {"replicasFrom": "vit-peers:8000"}},
+    {"server": {"budgets": "196,auto"}},
+    {"server": {"budgets": "auto,"}},
 ]
 
 
@@ -645,6 +648,8 @@ def test_rendered_env_is_accepted_by_the_server(rendered: dict[str, list[dict[st
             env[item["name"]] = item["value"]
     parsed = settings.from_sources(flags=None, env=env)
     assert parsed.host == "0.0.0.0"
+    if name == "traffic-budgets":  # the automatic ladder and the traffic's own sizes
+        assert env["VITSERVE_BUDGETS"] == "auto,196,1568" and {64, 196, 1568, 16384} <= set(parsed.budgets)
     assert parsed.port == int(env["VITSERVE_PORT"])
     assert parsed.request_timeout_s == float(env["VITSERVE_REQUEST_TIMEOUT_S"])
     assert (parsed.api_key is not None) == ("VITSERVE_API_KEY" in env)
