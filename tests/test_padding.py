@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.engine.padding import MIN_REPLAYS, PaddingLedger
+from service.engine import padding as padding_module
+from service.engine.padding import LOG_EVERY, MIN_REPLAYS, PaddingLedger
 from tests.http_helpers import ServerThread, b64, image_bytes, settings
 
 BUDGETS = (64, 128, 256)
@@ -43,6 +46,16 @@ def test_at_most_four_sizes_the_largest_padding_first():
     assert report["suggested_budgets"] == [132, 133, 134, 135]
 
 
+def test_a_new_suggestion_is_said_once():
+    ledger_ = ledger((196, 256, LOG_EVERY - 1))
+    assert ledger_.new_suggestion(BUDGETS) is None  # only every LOG_EVERY replays
+    ledger_.add("image", 196, 256)
+    assert ledger_.new_suggestion(BUDGETS) == [196]
+    for _ in range(LOG_EVERY):
+        ledger_.add("image", 196, 256)
+    assert ledger_.new_suggestion(BUDGETS) is None  # the same again
+
+
 def replay_tokens(metrics_text: str) -> dict[str, float]:
     [family] = [f for f in text_string_to_metric_families(metrics_text) if f.name == "vitserve_replay_tokens"]
     return {s.labels["kind"]: s.value for s in family.samples if s.name.endswith("_total")}
@@ -58,10 +71,13 @@ def serve_lone_images(srv: ServerThread, n: int) -> tuple[dict, dict[str, float]
         return c.get("/info").json(), replay_tokens(c.get("/metrics").text)
 
 
-def test_a_server_names_the_budget_that_ends_its_padding_and_taking_it_ends_it():
+def test_a_server_names_the_budget_that_ends_its_padding_and_taking_it_ends_it(monkeypatch, caplog):
     n = MIN_REPLAYS + 4
-    with ServerThread(settings()) as srv:
+    monkeypatch.setattr(padding_module, "LOG_EVERY", n)  # the log's look comes at the last 80-token replay
+    with ServerThread(settings()) as srv, caplog.at_level(logging.INFO, "vitserve.engine"):
         info, tokens = serve_lone_images(srv, n)
+    [said] = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
+    assert "batches of 80 tokens recur" in said and "--budgets auto,80" in said
     assert info["budgets"] == [64, 128, 256, 512, 1024]
     padding = info["padding"]
     assert padding["suggested_budgets"] == [80]

@@ -289,6 +289,10 @@ class Batcher:
         self.metrics.batch_items.observe(len(flight.works))
         if batch.replays and not self.settings.eager:  # a replay pays its whole budget (eager: its own tokens)
             self.padding.add(batch.key.modality, batch.tokens, batch.key.budget)
+            if (sizes := self.padding.new_suggestion(m.plan.budgets)) is not None:
+                log.info("%.0f%% of the graph replays' budgets is padding; batches of %s tokens recur: adding them "
+                         "to --budgets (--budgets auto,%s) gives them graphs of their own (/info padding)",
+                         100 * self.padding.share, ", ".join(map(str, sizes)), ",".join(map(str, sizes)))
             self.metrics.replay_tokens.labels("items").inc(batch.tokens)
             self.metrics.replay_tokens.labels("padding").inc(batch.key.budget - batch.tokens)
         self.batches[flight.engine.index] += 1

@@ -19,6 +19,7 @@ SIZE_SHARE = 0.05  # a suggested size is at least this share of the replays...
 PADDING_SHARE = 0.10  # ...and its budget at least this share padding
 MAX_SUGGESTED = 4
 TOP_SIZES = 8  # sizes shown, those that paid the most padding
+LOG_EVERY = 256  # replays between looks at whether the suggestion changed (for the log)
 
 
 class PaddingLedger:
@@ -29,6 +30,7 @@ class PaddingLedger:
         self.replayed = 0
         self.item_tokens = 0
         self.padding_tokens = 0
+        self._said: list[int] = []  # the suggestion last logged
 
     def add(self, modality: str, tokens: int, budget: int) -> None:
         self.replayed += 1
@@ -50,14 +52,29 @@ class PaddingLedger:
                 wanted[tokens] += n * (budget - tokens)
         return sorted(tokens for tokens, _ in wanted.most_common(MAX_SUGGESTED))
 
+    @property
+    def share(self) -> float:
+        """Of the tokens the replays ran, the share that was padding."""
+        spent = self.item_tokens + self.padding_tokens
+        return self.padding_tokens / spent if spent else 0.0
+
+    def new_suggestion(self, budgets: tuple[int, ...]) -> list[int] | None:
+        """Every `LOG_EVERY` replays: the suggested budgets if they changed since last said (to log), else None."""
+        if self.replayed % LOG_EVERY:
+            return None
+        sizes = self.suggested_budgets(budgets)
+        if not sizes or sizes == self._said:
+            return None
+        self._said = sizes
+        return sizes
+
     def report(self, budgets: tuple[int, ...]) -> dict[str, Any]:
         """For /info: the padding's share of the replayed budgets, the sizes that paid the most of it, and
         the budgets worth adding (`--budgets auto,...`, or to the list given)."""
-        spent = self.item_tokens + self.padding_tokens
         top = sorted(self.replays.items(), key=lambda kv: -kv[1] * (kv[0][2] - kv[0][1]))[:TOP_SIZES]
         return {
             "replays": self.replayed,
-            "share": round(self.padding_tokens / spent, 4) if spent else 0.0,
+            "share": round(self.share, 4),
             "sizes": [{"modality": m, "tokens": t, "budget": b, "replays": n, "padding_tokens": n * (b - t)}
                       for (m, t, b), n in top],
             "suggested_budgets": self.suggested_budgets(budgets),
