@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-MAX_SIZES = 4096  # distinct (modality, tokens) sizes kept; later new sizes count only in the totals
+MAX_SIZES = 4096  # distinct (modality, tokens, budget) kept; later new ones count only in the totals
 MIN_REPLAYS = 20  # below this many replays nothing is suggested: too little to tell a pattern
 SIZE_SHARE = 0.05  # a suggested size is at least this share of the replays...
 PADDING_SHARE = 0.10  # ...and its budget at least this share padding
@@ -42,8 +42,9 @@ class PaddingLedger:
 
     def suggested_budgets(self, budgets: tuple[int, ...]) -> list[int]:
         """Batch sizes that make at least `SIZE_SHARE` of the replays and pay at least `PADDING_SHARE` of their
-        budget in padding, those that paid the most first. Not below the smallest budget: there a replay costs
-        its launches more than its tokens (the packing's cost model prices all such batches alike)."""
+        budget in padding: the `MAX_SUGGESTED` that paid the most, ascending. Not below the smallest budget:
+        there a replay costs its launches more than its tokens (the packing's cost model prices all such
+        batches alike)."""
         if self.replayed < MIN_REPLAYS:
             return []
         wanted: Counter[int] = Counter()
