@@ -10,7 +10,7 @@ per-replay data in static buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from models.protocol import Capacity, Layout
 
@@ -105,6 +105,19 @@ class BudgetPlan:
     def max_budget(self) -> int:
         return self.budgets[-1]
 
+    def with_budget(self, budget: int) -> BudgetPlan:
+        """The same plan with one more budget (learned from traffic: `GraphRunner.learn_budget`). Not above the
+        largest: that one sizes the shared input buffers and the item limit."""
+        if not 1 <= budget < self.max_budget:
+            raise BudgetError(f"a budget added to the plan must lie between 1 and {self.max_budget - 1}, got {budget}")
+        if budget in self.budgets:
+            return self
+        return replace(self, budgets=tuple(sorted((*self.budgets, budget))))
+
+    def budget_keys(self, budget: int, modalities: tuple[str, ...] = MODALITIES) -> list[GraphKey]:
+        """The graphs of one budget: every length class it can hold, for each modality."""
+        return [GraphKey(m, budget, L) for m in modalities for L in self.length_classes(budget)]
+
     def length_class(self, segment_patches: int) -> int:
         L = MIN_LENGTH_CLASS
         while L < segment_patches:
@@ -144,5 +157,5 @@ class BudgetPlan:
 
     def keys(self, modalities: tuple[str, ...] = MODALITIES) -> list[GraphKey]:
         """Every graph to capture, largest capacity first (so smaller ones reuse its memory)."""
-        keys = [GraphKey(m, b, L) for m in modalities for b in self.budgets for L in self.length_classes(b)]
+        keys = [key for b in self.budgets for key in self.budget_keys(b, modalities)]
         return sorted(keys, key=lambda k: (-k.budget, -k.length_class, k.modality))

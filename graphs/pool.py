@@ -76,24 +76,7 @@ class GraphPool:
         keys = sorted(keys, key=lambda k: -self.plan.capacity(k).patches)
         self._allocate_inputs([self.plan.capacity(k) for k in keys])
         self._allocate_outputs(max((self.tower.geometry.output_rows(self.plan.capacity(k)) for k in keys), default=0))
-        for key in keys:
-            cap = self.plan.capacity(key)
-            t0 = time.perf_counter()
-            try:
-                self.graphs[key] = self._capture_one(key, cap)
-                log.debug("%s %s %s in %.3fs", "captured" if is_cuda else "prepared", key, cap,
-                          time.perf_counter() - t0)
-            except Exception as exc:  # a failed key is served eagerly, never fatal
-                self.failed[key] = f"{type(exc).__name__}: {exc}"
-                self.stats.capture_failures[str(key)] = self.failed[key]
-                log.error("capture of %s failed, it will run eagerly: %s", key, self.failed[key])
-                if is_cuda:
-                    torch.cuda.synchronize(self.device)
-                    # A capture that raised leaves its private pool unusable (PyTorch's allocator then
-                    # asserts on every later capture into it): the keys after it get a new one.
-                    self._mempool = torch.cuda.graph_pool_handle()
-                if stop_at_out_of_memory and isinstance(exc, torch.OutOfMemoryError):
-                    break
+        self._capture_keys(keys, stop_at_out_of_memory)
         if is_cuda:
             torch.cuda.synchronize(self.device)
             # The warm-up runs' activations sit cached in the ordinary allocator (gigabytes for the
@@ -113,6 +96,79 @@ class GraphPool:
             self.stats.graph_mode, self.stats.no_graphs_reason = "cpu_fixed_shape", CPU_NO_GRAPHS
             log.info("running on the CPU: no CUDA graphs; each of the %d graph keys runs as a fixed-shape eager "
                      "forward (the same packing and padding, for trying the API, not for speed)", len(self.graphs))
+
+    def _capture_keys(self, keys: list[GraphKey], stop_at_out_of_memory: bool = False) -> dict[GraphKey, str]:
+        """Capture `keys` in this order into the pool's memory and buffers; the failures, by key."""
+        is_cuda = self.device.type == "cuda"
+        failures = {}
+        for key in keys:
+            cap = self.plan.capacity(key)
+            t0 = time.perf_counter()
+            try:
+                self.graphs[key] = self._capture_one(key, cap)
+                log.debug("%s %s %s in %.3fs", "captured" if is_cuda else "prepared", key, cap,
+                          time.perf_counter() - t0)
+            except Exception as exc:  # a failed key is served eagerly, never fatal
+                failures[key] = self.failed[key] = f"{type(exc).__name__}: {exc}"
+                self.stats.capture_failures[str(key)] = self.failed[key]
+                log.error("capture of %s failed, it will run eagerly: %s", key, self.failed[key])
+                if is_cuda:
+                    torch.cuda.synchronize(self.device)
+                    # A capture that raised leaves its private pool unusable (PyTorch's allocator then
+                    # asserts on every later capture into it): the keys after it get a new one.
+                    self._mempool = torch.cuda.graph_pool_handle()
+                if stop_at_out_of_memory and isinstance(exc, torch.OutOfMemoryError):
+                    break
+        return failures
+
+    def capture_more(self, keys: list[GraphKey]) -> dict[GraphKey, str]:
+        """Capture `keys` after start-up, into the memory pool and the input and output buffers the others
+        use (the live graphs read those buffers: nothing is reallocated). The device must be idle: nothing
+        else may run or wait on it meanwhile from any thread of this process (a capture then fails, or
+        breaks theirs). A key whose capacity the buffers cannot hold is refused; the failures, by key."""
+        if self._meta_flat is None or self._joined is None:
+            raise RuntimeError("capture_more needs a pool captured at start-up")
+        is_cuda = self.device.type == "cuda"
+        failures: dict[GraphKey, str] = {}
+        fitting = []
+        for key in sorted(keys, key=lambda k: -self.plan.capacity(k).patches):
+            why = self._overflow(self.plan.capacity(key))
+            if why:
+                failures[key] = why
+            elif key not in self.graphs:
+                fitting.append(key)
+        reserved_before = torch.cuda.memory_reserved(self.device) if is_cuda else 0
+        start = time.perf_counter()
+        failures.update(self._capture_keys(fitting))
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
+        self.stats.captured = sum(g.graph is not None for g in self.graphs.values())
+        self.stats.graph_keys = len(self.graphs)
+        log.info("graph pool: %d more graph(s) in %.2fs, %d failed", sum(k in self.graphs for k in fitting),
+                 time.perf_counter() - start, len(failures))
+        return failures
+
+    def _overflow(self, cap: Capacity) -> str | None:
+        """Why the shared buffers cannot hold a capacity's inputs and output, or None."""
+        for name, arr in self._empty_inputs(cap).items():
+            if arr.shape[0] > self._buffers[name].shape[0]:
+                return f"{name}: {arr.shape[0]} rows, the buffers hold {self._buffers[name].shape[0]}"
+        assert self._joined is not None
+        rows = self.tower.geometry.output_rows(cap)
+        if rows > self._joined.shape[0]:
+            return f"output: {rows} rows, the buffer holds {self._joined.shape[0]}"
+        return None
+
+    def drop(self, keys: list[GraphKey]) -> None:
+        """Forget graphs (and failures) of these keys: their batches run eagerly."""
+        for key in keys:
+            self.graphs.pop(key, None)
+            self.failed.pop(key, None)
+            self.stats.capture_failures.pop(str(key), None)
+        self.stats.captured = sum(g.graph is not None for g in self.graphs.values())
+        self.stats.graph_keys = len(self.graphs)
 
     def _warmup_stream(self) -> torch.cuda.Stream:
         """The one side stream every capture's warm-up runs on, its cuBLAS workspace made first.

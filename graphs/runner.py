@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from graphs.budgets import BudgetPlan
+from graphs.budgets import BudgetPlan, GraphKey
 from graphs.packing import Batch, CostModel, PackItem, pack
 from graphs.pool import GraphPool
 from graphs.stats import PoolStats
@@ -54,6 +54,18 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
         whole_clip=whole_clip,
         steps_per_octave=steps_per_octave,
     )
+
+
+@dataclass(frozen=True)
+class LearnedBudget:
+    """What `GraphRunner.learn_budget` did: the runner's plan and costs after it (picklable)."""
+
+    budget: int
+    ok: bool
+    reason: str  # "ok", or why the budget was refused
+    plan: BudgetPlan
+    cost: CostModel | None
+    seconds: float = 0.0
 
 
 class GraphRunner:
@@ -109,56 +121,116 @@ class GraphRunner:
         the graphs' pool leaves no room for a large one's activations."""
         if not self.pool.graphs:
             return
-        merge = self.tower.merge
-        rng = np.random.default_rng(0)
-        modality = "image" if "image" in self.modalities else self.modalities[0]  # a one-frame video otherwise
-
-        def sync() -> None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-
-        @functools.cache
-        def frame(rows: int, cols: int) -> VisualInput:
-            """One frame of rows x cols tokens, random pixels (zeros time faster)."""
-            h, w = rows * merge, cols * merge
-            pixels = rng.integers(0, 256, (h * w, self.tower.processor.patch_dim), np.uint8)
-            return VisualInput(modality, pixels, (1, h, w))
-
-        def filling(budget: int) -> list[VisualInput]:
-            """Exactly `budget` tokens in frames of 33 to 64 tokens (one length class; strips two tokens high)."""
-            count = -(-budget // 64)
-            sizes = [budget // count + (1 if i < budget % count else 0) for i in range(count)]
-            return [frame(2, t // 2) if t % 2 == 0 else frame(1, t) for t in sizes]
-
-        def timed(items: list[VisualInput], force_eager: bool, reps: int) -> float:
-            self._run_all(items, force_eager)  # warm: plans, autotuning, allocator
-            runs = []
-            for _ in range(reps):
-                sync()
-                start = time.perf_counter()
-                self._run_all(items, force_eager)
-                sync()
-                runs.append(time.perf_counter() - start)
-            return min(runs) if not force_eager else float(np.median(runs))
-
         stats = self.stats.as_dict()
         self.cost = None  # packing without costs: one replay per batch, in the smallest budget holding it
-        mid = frame(16, 16)
-        replays = []
-        for budget in self.plan.budgets:
-            items = filling(budget)
-            batches = self.pack_items(items)
-            key = batches[0].key
-            if len(batches) == 1 and batches[0].replays and key in self.pool.graphs and key.budget == budget:
-                replays.append((budget, timed(items, False, reps=3)))
-        top = max(1, min(8, self.plan.max_items, self.plan.max_budget // mid.num_tokens(merge)))
-        eager = [(len(batch) * mid.num_tokens(merge), timed(batch, True, reps=5))
+        replays = [(budget, cost) for budget in self.plan.budgets if (cost := self._replay_cost(budget)) is not None]
+        mid = self._frame(16, 16)
+        top = max(1, min(8, self.plan.max_items, self.plan.max_budget // mid.num_tokens(self.tower.merge)))
+        eager = [(len(batch) * mid.num_tokens(self.tower.merge), self._timed(batch, True, reps=5))
                  for batch in ([mid], [mid] * top)[: 2 if top > 1 else 1]]
         self.stats.reset_to(stats)  # calibration runs are not traffic
         if replays:
             self.cost = CostModel(tuple(replays), tuple(eager))
         log.info("calibration (ms): replays %s; eager %s", ", ".join(f"b{b} {c * 1e3:.2f}" for b, c in replays),
                  ", ".join(f"{t} tokens {c * 1e3:.2f}" for t, c in eager))
+
+    @functools.cache  # noqa: B019 - a handful of frames per runner, kept for its life
+    def _frame(self, rows: int, cols: int) -> VisualInput:
+        """One frame of rows x cols tokens, seeded random pixels (zeros time faster)."""
+        merge = self.tower.merge
+        h, w = rows * merge, cols * merge
+        rng = np.random.default_rng(rows * 1000 + cols)
+        pixels = rng.integers(0, 256, (h * w, self.tower.processor.patch_dim), np.uint8)
+        modality = "image" if "image" in self.modalities else self.modalities[0]  # a one-frame video otherwise
+        return VisualInput(modality, pixels, (1, h, w))
+
+    def _replay_cost(self, budget: int) -> float | None:
+        """Seconds of one replay of `budget` full of small frames (33 to 64 tokens: strips two tokens high, one
+        length class), the fastest of three; None if the packing does not route them to that budget's graph."""
+        count = -(-budget // 64)
+        # Even sizes (frames two tokens high) where the budget allows: a strip one token high has more
+        # attention windows than a class of Qwen2.5-VL's holds, and its batch then ran eagerly.
+        halves = [budget // 2 // count + (1 if i < budget // 2 % count else 0) for i in range(count)]
+        sizes = [2 * h for h in halves]
+        sizes[-1] += budget % 2
+        items = [self._frame(2, t // 2) if t % 2 == 0 else self._frame(1, t) for t in sizes]
+        batches = self.pack_items(items)
+        key = batches[0].key
+        if len(batches) != 1 or not batches[0].replays or key not in self.pool.graphs or key.budget != budget:
+            return None
+        replayed = self.stats.graph_items
+        seconds = self._timed(items, False, reps=3)
+        # every run a replay, or the figure is an eager forward's (a batch the graph cannot hold falls back)
+        return seconds if self.stats.graph_items - replayed == 4 * len(items) else None
+
+    def _timed(self, items: list[VisualInput], force_eager: bool, reps: int) -> float:
+        """Seconds of running `items` as packed: a replay's fastest run, eager's median (it is bound by the
+        host, whose noise is part of its price)."""
+        self._run_all(items, force_eager)  # warm: plans, autotuning, allocator
+        runs = []
+        for _ in range(reps):
+            self._sync()
+            start = time.perf_counter()
+            self._run_all(items, force_eager)
+            self._sync()
+            runs.append(time.perf_counter() - start)
+        return min(runs) if not force_eager else float(np.median(runs))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def learn_budget(self, budget: int) -> LearnedBudget:
+        """Add a budget while serving: capture its graphs into the pool, check one replay per modality against
+        eager, time a replay into the cost model, then add it to the plan. Everything or nothing: a key that
+        fails leaves the plan as it was (its graphs dropped). Call with the device idle (`GraphPool.capture_more`)."""
+        from graphs.self_check import TOLERANCE, relative_difference, sample_item
+
+        start = time.perf_counter()
+        if budget in self.plan.budgets:
+            return LearnedBudget(budget, True, "already in the plan", self.plan, self.cost)
+        if not self.use_graphs or not self.pool.graphs:
+            return LearnedBudget(budget, False, "this engine serves without graphs", self.plan, self.cost)
+        plan = self.plan.with_budget(budget)  # BudgetError past the largest budget: the caller's mistake
+        keys = plan.budget_keys(budget, self.modalities)
+        stats = self.stats.as_dict()
+        try:
+            failures = self.pool.capture_more(keys)
+            if failures:
+                key, why = next(iter(failures.items()))
+                raise RuntimeError(f"{len(failures)} of {len(keys)} graphs failed ({key}: {why})")
+            old_plan, old_cost, self.plan = self.plan, self.cost, plan
+            try:
+                for modality in self.modalities:  # the sample goes to the new budget's graph of its length class
+                    item = sample_item(self, modality)
+                    key = GraphKey(modality, budget, plan.length_class(max(
+                        self.tower.geometry.segment_lengths(item.grid_thw))))
+                    with torch.inference_mode():
+                        reference = joined(self.eager(item.pixels, [item.grid_thw], modality)).clone()
+                        rows = self.pool.replay(key, item.pixels, [item.grid_thw]).clone()
+                    diff = relative_difference(rows, reference)
+                    if not diff <= TOLERANCE:
+                        raise RuntimeError(f"{key} differs from eager by {diff:.2e} (relative)")
+                if self.cost is not None:  # timed as calibrated: packed without costs, so in one replay
+                    costs, self.cost = self.cost, None
+                    cost = self._replay_cost(budget)
+                    replays = sorted({**dict(costs.replays), **({budget: cost} if cost is not None else {})}.items())
+                    self.cost = CostModel(tuple(replays), costs.eager)
+            except BaseException:
+                self.plan, self.cost = old_plan, old_cost
+                raise
+        except Exception as exc:  # noqa: BLE001 - the budget is refused with its reason; serving goes on
+            self.pool.drop(keys)
+            self.stats.reset_to(stats)
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("budget %d not learned: %s", budget, reason)
+            return LearnedBudget(budget, False, reason, self.plan, self.cost, time.perf_counter() - start)
+        self.stats.reset_to(stats)  # the checks and timing are not traffic
+        seconds = time.perf_counter() - start
+        cost = dict(self.cost.replays).get(budget) if self.cost is not None else None
+        log.info("budget %d learned: %d graphs in %.2fs%s", budget, len(keys), seconds,
+                 f", replay {cost * 1e3:.2f} ms" if cost is not None else "")
+        return LearnedBudget(budget, True, "ok", self.plan, self.cost, seconds)
 
     def _run_all(self, items: Sequence[VisualInput], force_eager: bool) -> None:
         for batch in self.pack_items(items):

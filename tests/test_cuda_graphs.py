@@ -246,3 +246,45 @@ def test_video_chunking_equals_eager_on_the_gpu():
         for a, b in zip(out.deepstack, ref.deepstack):
             assert rel_err(a, b) <= max(1e-2, 2 * bound)
     assert runner.stats.chunked_videos == 2
+
+
+@pytest.mark.parametrize("name", ["random:qwen3-vl-8b", "random:qwen2.5-vl-7b"])
+def test_a_learned_budget_matches_eager_on_the_gpu(name):
+    """A budget captured after start-up (`GraphRunner.learn_budget`) into the pool and buffers the live graphs
+    use: a lone 196-token image replays in it, right; equal tokens with other boundaries share it; a small
+    replay after a large one is unchanged; the graphs captured at start-up still replay right after it."""
+    tower = load_tower(name, device="cuda", dtype="bfloat16")
+    runner = GraphRunner(tower, DEV, plan_for(tower, max_batch_tokens=2048))
+    runner.capture()
+    runner.exact = GraphRunner(float32_copy(tower), DEV, runner.plan, use_graphs=False)
+    m = tower.merge
+    lone = make_items(tower, [(1, 14 * m, 14 * m)], 31)  # 196 tokens: a 448x448 image of the Qwen3 line
+    assert runner.pack_items(lone)[0].key.budget == 256
+    check_against_eager(runner, lone[0], runner.encode(lone)[0])
+    learned = runner.learn_budget(196)
+    assert learned.ok, learned.reason
+    assert runner.plan.budgets[:4] == (64, 128, 196, 256) and 196 in dict(runner.cost.replays)
+    assert all(k in runner.pool.graphs for k in runner.plan.budget_keys(196))
+    print(f"{name}: replay ms {[(b, round(c * 1e3, 3)) for b, c in runner.cost.replays]}; "
+          f"eager ms {[(t, round(c * 1e3, 3)) for t, c in runner.cost.eager]}")
+    # Whether a batch replays or runs eagerly is the measured costs' call (tested on the CPU); here every batch
+    # goes through the graphs, the learned one included.
+    runner.cost = None
+    [batch] = runner.pack_items(lone)
+    assert batch.replays and batch.key.budget == 196
+    first = runner.encode(lone)[0]
+    check_against_eager(runner, lone[0], first)
+    pair = make_items(tower, [(1, 10 * m, 10 * m), (1, 8 * m, 12 * m)], 32)  # 100 + 96 tokens, one length class
+    other = make_items(tower, [(1, 12 * m, 9 * m), (1, 11 * m, 8 * m)], 33)  # 108 + 88
+    for items in (pair, other, pair):
+        [batch] = runner.pack_items(items)
+        assert batch.replays and batch.key.budget == 196
+        for it, out in zip(items, runner.encode(items)):
+            check_against_eager(runner, it, out)
+    large = make_items(tower, [(1, 40 * m, 40 * m), (1, 12 * m, 20 * m)], 34)
+    for it, out in zip(large, runner.encode(large)):
+        check_against_eager(runner, it, out)
+    assert torch.equal(runner.encode(lone)[0].embeds, first.embeds)
+    small = make_items(tower, [(1, 6 * m, 6 * m)], 35)  # a start-up graph after the learned one
+    check_against_eager(runner, small[0], runner.encode(small)[0])
+    assert not runner.stats.eager_items

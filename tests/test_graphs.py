@@ -494,3 +494,107 @@ def test_a_video_only_runner_calibrates_on_its_video_graphs():
     runner.calibrate()
     assert runner.cost is not None
     assert [b for b, _ in runner.cost.replays] == list(runner.plan.budgets)  # each timed on its video graph
+
+
+# ---- budgets learned while serving ----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_a_learned_budget_replays_its_own_size_and_matches_eager(name):
+    """A budget added after start-up: its graphs go into the same buffers, one replay per modality is checked,
+    its replay is timed into the costs, and a batch of its size replays in it without padding."""
+    tower = load_tower(name, device="cpu", dtype="float32")
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256, t_capture=4))
+    runner.capture()
+    runner.calibrate()  # the CPU's fixed-shape keys priced, as CUDA's are at start-up
+    m = tower.merge
+    lone = make_items(tower, [(1, 10 * m, 8 * m)], 21)  # 80 tokens: 128 before
+    assert runner.pack_items(lone)[0].key.budget == 128
+    first = runner.encode(lone)[0].embeds
+    before = runner.stats.as_dict()
+    learned = runner.learn_budget(80)
+    assert learned.ok and learned.reason == "ok" and learned.plan.budgets == (64, 80, 128, 256)
+    traffic = ("graph_items", "eager_items", "replays", "eager_batches")
+    assert runner.plan.budgets == (64, 80, 128, 256)
+    assert {k: runner.stats.as_dict()[k] for k in traffic} == {k: before[k] for k in traffic}  # not traffic
+    assert {k for k in runner.pool.graphs if k.budget == 80} == set(runner.plan.budget_keys(80, runner.modalities))
+    assert 80 in dict(runner.cost.replays) and learned.cost == runner.cost
+    [batch] = runner.pack_items(lone)
+    assert batch.replays and batch.key.budget == 80
+    out = runner.encode(lone)[0].embeds
+    assert rel_err(out, solo(runner, lone[0]).embeds) < 1e-5 and rel_err(out, first) < 1e-5
+    # equal tokens, other boundaries, in the learned graph; then a large batch, then the small one again
+    pair = make_items(tower, [(1, 6 * m, 6 * m), (1, 4 * m, 11 * m)], 22)  # 80 tokens, one length class
+    assert runner.pack_items(pair)[0].key.budget == 80
+    for it, o in zip(pair, runner.encode(pair)):
+        assert rel_err(o.embeds, solo(runner, it).embeds) < 1e-5
+    runner.encode(make_items(tower, [(1, 16 * m, 14 * m)], 23))
+    assert torch.equal(runner.encode(lone)[0].embeds, out)
+    assert runner.learn_budget(80).reason == "already in the plan"
+
+
+def test_a_budget_that_fails_to_capture_or_check_is_refused_and_the_plan_stays():
+    tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("image",))
+    runner.capture()
+    graphs, failed = set(runner.pool.graphs), dict(runner.pool.failed)
+    capture_one = runner.pool._capture_one
+
+    def failing(key, cap):
+        if key.budget == 96 and key.length_class == 64:
+            raise RuntimeError("injected capture failure")
+        return capture_one(key, cap)
+
+    runner.pool._capture_one = failing
+    refused = runner.learn_budget(96)
+    assert not refused.ok and "injected capture failure" in refused.reason
+    assert runner.plan.budgets == (64, 128, 256) and refused.plan == runner.plan
+    assert set(runner.pool.graphs) == graphs and runner.pool.failed == failed  # its graphs dropped
+    assert runner.stats.as_dict()["capture_failures"] == {}
+    runner.pool._capture_one = capture_one
+
+    replay = runner.pool.replay
+    runner.pool.replay = lambda key, pixels, grids: replay(key, pixels, grids) + 1  # stale rows, say
+    refused = runner.learn_budget(96)
+    assert not refused.ok and "differs from eager" in refused.reason
+    assert runner.plan.budgets == (64, 128, 256) and set(runner.pool.graphs) == graphs
+    runner.pool.replay = replay
+    assert runner.learn_budget(96).ok and runner.plan.budgets == (64, 96, 128, 256)
+    with pytest.raises(BudgetError, match="between 1 and 255"):
+        runner.learn_budget(256 + 64)
+
+
+def test_a_key_the_shared_buffers_cannot_hold_is_refused_not_reallocated():
+    """Live graphs read the buffers made at start-up: a capacity past them is refused, nothing grows."""
+    tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("image",))
+    runner.capture()
+    pixels = runner.pool._buffers["pixels"]
+    too_big = GraphKey("image", 512, 64)
+    failures = runner.pool.capture_more([too_big])
+    assert "pixels" in failures[too_big] and too_big not in runner.pool.graphs
+    assert runner.pool._buffers["pixels"] is pixels
+
+
+def test_a_budget_whose_timing_ran_eagerly_gets_no_replay_price():
+    """A calibration batch the graph cannot hold (more attention windows than its class: Qwen2.5-VL's strips
+    one token high) falls back to eager; its time is an eager forward's, 10x a replay's on the GPU, and as a
+    replay's price it sent that budget's batches eagerly. Such a budget is left out (priced by its neighbours)."""
+    from models.protocol import CapacityError
+
+    tower = load_tower("tiny-qwen2.5-vl", device="cpu", dtype="float32")
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("image",))
+    runner.capture()
+    replay = runner.pool.replay
+
+    def no_room_in_128(key, pixels, grids):
+        if key.budget == 128:
+            raise CapacityError("more windows than the class holds")
+        return replay(key, pixels, grids)
+
+    runner.pool.replay = no_room_in_128
+    runner.calibrate()
+    assert [b for b, _ in runner.cost.replays] == [64, 256]
+    runner.pool.replay = replay
+    runner.calibrate()
+    assert [b for b, _ in runner.cost.replays] == [64, 128, 256]
+    assert runner._replay_cost(196) is None  # no graph of that budget
+    assert runner.learn_budget(196).ok and 196 in dict(runner.cost.replays)
