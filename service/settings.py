@@ -101,6 +101,9 @@ class ServeSettings(BaseModel):
     budget_steps: int = flag("automatic budgets per doubling (default 1, powers of two; 4 adds 1.25, 1.5 and 1.75 "
                              "times each: a batch pads at most a quarter, for about 4x the graphs to capture)",
                              default=1, ge=1, le=8)
+    learn_budgets: int = flag("budgets the server may add while serving: batch sizes that recur and pay much padding "
+                              "(/info padding) get graphs of their own, captured between batches (default 4; 0: "
+                              "off)", default=4, ge=0, le=16)
     t_capture: int = flag("temporal patches per video slot captured in graphs (default 8)", default=8, ge=1)
     gpu_memory: str | None = flag("device memory the server may use, in bytes (4GiB, 4096MiB) or as a fraction of "
                                   "the device (0.5); the graph budgets shrink to fit (default: no bound)", default=None)

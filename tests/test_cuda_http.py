@@ -14,6 +14,7 @@ import base64
 import os
 import random
 import re
+import time
 
 import httpx
 import pytest
@@ -92,3 +93,51 @@ def test_concurrent_answers_match_eager_with_graphs_on(served):
     assert hits > 0
     assert srv.engine.model.cost is not None  # calibrated: split packing and the padding rule are on
     assert srv.engine.model.uses_graphs and srv.engine.backends[0].pid != os.getpid()  # its own process
+
+
+def test_a_budget_learned_while_batches_complete_keeps_every_answer_right(monkeypatch):
+    """The engine process captures a learned budget between batches, with the next ones already sent: lone
+    requests of one size make it recur, then concurrent clients keep batches in flight while it is taught.
+    Every answer matches the eager forward of its own item, and the learned budget replays."""
+    from service.engine import padding
+
+    monkeypatch.setattr(padding, "LOG_EVERY", 24)
+    name = "tiny-qwen3-vl"
+    tower = load_tower(name, device=DEVICE, dtype="bfloat16")
+    runner = GraphRunner(tower, torch.device(DEVICE), plan_for(tower), use_graphs=False)
+    catalogue = []
+    for i, size in enumerate([(448, 320), *SIZES[:5]]):
+        data = image_bytes(*size, seed=500 + i)
+        visual = preprocess_image_bytes(data, tower.processor)
+        out = runner.eager(visual.pixels, [visual.grid_thw])
+        catalogue.append((b64(data), [t.float().cpu() for t in (out.embeds, *out.deepstack)]))
+    tokens = catalogue[0][1][0].shape[0]
+    assert 128 < tokens < 256, tokens  # between two budgets: padded by the default ladder
+    del runner, tower
+    torch.cuda.empty_cache()
+    cfg = settings(model=name, device=DEVICE, dtype="bfloat16", max_wait_ms=5, preprocess_workers=4)
+    with ServerThread(cfg) as srv:
+        lone = {"items": [{"type": "image", "image": catalogue[0][0]}], "encoding_format": "base64",
+                "dtype": "float32", "include_deepstack": True}
+        for _ in range(24):
+            r = httpx.post(srv.url + "/encode", json=lone, timeout=60)
+            assert r.status_code == 200, r.text
+        errors: list = []
+
+        async def main():
+            await asyncio.gather(*(session(srv.url, catalogue, random.Random(i), errors) for i in range(16)))
+
+        asyncio.run(main())
+        for _ in range(100):
+            info = httpx.get(srv.url + "/info").json()
+            if tokens in info["learned_budgets"]["learned"]:
+                break
+            time.sleep(0.1)
+        r = httpx.post(srv.url + "/encode", json=lone, timeout=60)
+        info = httpx.get(srv.url + "/info").json()
+    assert not errors, errors[:5]
+    assert tokens in info["learned_budgets"]["learned"] and tokens in info["budgets"], info["learned_budgets"]
+    got = decode(r.json()["data"][0], r.json()["data"][0]["embedding"])
+    assert rel_err(got, catalogue[0][1][0]) <= 2e-2
+    assert any(key.startswith(f"image/b{tokens}/") for key in info["pool"]["replays"]), info["pool"]["replays"]
+    assert not info["capture_failures"]

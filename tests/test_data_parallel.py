@@ -265,3 +265,38 @@ def test_the_cache_and_the_shared_folder_behind_engine_processes(tmp_path, refer
         np.testing.assert_array_equal(got, want)
         path = store / entry["content_part"]["uuid"] / "encoder_cache.safetensors"
         np.testing.assert_array_equal(load_file(str(path))["ec_cache"].numpy(), want)
+
+
+def test_every_engine_learns_a_recurring_size_and_a_restarted_one_learns_it_again():
+    """Lone 80-token images (between the budgets 64 and 128): the front teaches both engine processes a budget of
+    80, one after the other, and packs into it once both have it. An engine killed afterwards comes back
+    without it (a new process) and is taught it again before its first batch: its answers stay the same bytes
+    and no batch falls back to eager."""
+    lone = {"items": [{"type": "image", "image": b64(image_bytes(280, 224, seed=5))}], "encoding_format": "base64"}
+    env = {"VITSERVE_MAX_WAIT_MS": "0", "VITSERVE_TEST_LEDGER_EVERY": "24"}
+    with SubprocessServer("--data-parallel", "2", env=env, launcher="tests.hooks.quick_learner") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        first = c.post("/encode", json=lone)  # in the 128-token graph
+        for _ in range(24):
+            assert c.post("/encode", json=lone).status_code == 200
+        wait_for(lambda: c.get("/info").json()["learned_budgets"]["learned"] == [80], 60, "80 was not learned")
+        info = c.get("/info").json()
+        assert info["budgets"] == [64, 80, 128, 256, 512, 1024]
+        assert [e["learned_budgets"] for e in info["engines"]] == [[80], [80]]
+        victim = info["engines"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        # a new process (the front may not have seen the old one go yet), ready, that has learned 80 again
+        wait_for(lambda: [(e["pid"] != victim["pid"], e["state"], e["learned_budgets"])
+                          for e in c.get("/info").json()["engines"]][0] == (True, "ready", [80]), 120,
+                 "engine 0 did not come back and learn 80 again")
+        assert c.get("/info").json()["engines"][1]["learned_budgets"] == [80]
+        before = c.get("/info").json()["pool"]
+        answers = [c.post("/encode", json=lone) for _ in range(4)]
+        pool = c.get("/info").json()["pool"]
+    def replays_80(stats: dict) -> int:
+        return sum(n for key, n in stats["replays"].items() if key.startswith("image/b80/"))
+
+    assert replays_80(pool) - replays_80(before) == 4, [r.text[:200] for r in answers]
+    assert "no_graph" not in pool["eager_items"], pool["eager_items"]
+    for r in answers:
+        assert r.status_code == 200 and embeddings(r)[0].tobytes() == embeddings(first)[0].tobytes()

@@ -607,6 +607,7 @@ def test_every_serve_flag_reachable_from_values(
     assert env["VITSERVE_BUDGETS"]["value"] == "4096,8192,16384,32768"
     assert env["VITSERVE_ALLOWED_HOSTS"]["value"] == "images.example.com,cdn.example.com"
     assert env["VITSERVE_EAGER"]["value"] == "true"
+    assert env["VITSERVE_LEARN_BUDGETS"]["value"] == "2"
     assert env["VITSERVE_QUANTIZATION"]["value"] == "fp8"
     assert env["VITSERVE_MODEL"]["value"] == "/models/Qwen2.5-VL-7B-Instruct"
     assert container["args"] == ["--log-level", "debug"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -72,9 +73,10 @@ def serve_lone_images(srv: ServerThread, n: int) -> tuple[dict, dict[str, float]
 
 
 def test_a_server_names_the_budget_that_ends_its_padding_and_taking_it_ends_it(monkeypatch, caplog):
+    """With learning off (`--learn-budgets 0`), the operator is told the budget and gives it at the next start."""
     n = MIN_REPLAYS + 4
     monkeypatch.setattr(padding_module, "LOG_EVERY", n)  # the log's look comes at the last 80-token replay
-    with ServerThread(settings()) as srv, caplog.at_level(logging.INFO, "vitserve.engine"):
+    with ServerThread(settings(learn_budgets=0)) as srv, caplog.at_level(logging.INFO, "vitserve.engine"):
         info, tokens = serve_lone_images(srv, n)
     [said] = [r.getMessage() for r in caplog.records if "padding" in r.getMessage()]
     assert "batches of 80 tokens recur" in said and "--budgets auto,80" in said
@@ -91,6 +93,32 @@ def test_a_server_names_the_budget_that_ends_its_padding_and_taking_it_ends_it(m
     assert info["budgets"] == [64, 80, 128, 256, 512, 1024]
     assert info["padding"]["suggested_budgets"] == []
     assert tokens == {"items": 80 * n + 2 * 4, "padding": 2 * 60}
+
+
+def test_a_server_learns_a_recurring_size_and_stops_padding_it(monkeypatch, caplog):
+    """Learning on (the default): at the look that finds 80-token batches recurring, the engine captures a budget
+    of 80 between batches, checks it against eager, and the front packs them into it from then on. The same
+    image's embedding is the same bytes before and after."""
+    n = MIN_REPLAYS + 4
+    monkeypatch.setattr(padding_module, "LOG_EVERY", n)
+    body = {"items": [{"type": "image", "image": b64(image_bytes(280, 224, seed=0))}], "encoding_format": "base64"}
+    with ServerThread(settings()) as srv, caplog.at_level(logging.INFO, "vitserve"), srv.client() as c:
+        first = c.post("/encode", json=body).json()["data"][0]["embedding"]  # in the 128-token graph
+        info, tokens = serve_lone_images(srv, n)
+        deadline = time.monotonic() + 30
+        while info["learned_budgets"]["learned"] != [80] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            info = c.get("/info").json()
+        assert info["learned_budgets"] == {"limit": 4, "learned": [80], "learning": [], "refused": {}}
+        assert info["budgets"] == [64, 80, 128, 256, 512, 1024] and info["padding"]["suggested_budgets"] == []
+        more, after = serve_lone_images(srv, 6)
+        again = c.post("/encode", json=body).json()["data"][0]["embedding"]
+    assert after["padding"] == tokens["padding"] + 2 * 60  # the 80-token batches paid no more (the 4-token ones did)
+    assert sum(n for key, n in more["pool"]["replays"].items() if key.startswith("image/b80/")) >= 6, more["pool"]
+    assert first == again
+    said = [r.getMessage() for r in caplog.records]
+    assert any("learning them as budgets" in line for line in said)
+    assert any("budget 80 is in the plan" in line and "--budgets auto,80" in line for line in said)
 
 
 def test_an_eager_server_pays_no_padding():

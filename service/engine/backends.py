@@ -30,7 +30,7 @@ from typing import Any, NoReturn, Protocol
 from service.channel import Channel
 from service.engine.executor import BatchExecutor, serve_jobs
 from service.engine.loading import bind_device, build_runner
-from service.engine.types import BatchJob, ModelInfo
+from service.engine.types import BatchJob, LearnBudget, ModelInfo
 from service.settings import ServeSettings
 from service.shm import exit_when_orphaned, keep_freed_memory
 
@@ -60,6 +60,10 @@ class Backend(Protocol):
         ...
 
     def submit(self, job: BatchJob) -> None:
+        ...
+
+    def learn(self, budget: int) -> None:
+        """Capture one more budget's graphs between batches; the engine replies ("learned", ...)."""
         ...
 
     def stop(self, timeout: float) -> None:
@@ -108,6 +112,9 @@ class LocalBackend:
 
     def submit(self, job: BatchJob) -> None:
         self._jobs.put(job)
+
+    def learn(self, budget: int) -> None:
+        self._jobs.put(LearnBudget(budget))
 
     def stop(self, timeout: float) -> None:
         self.state = "stopped"
@@ -198,9 +205,15 @@ class ProcessBackend:
         self.state = "ready"
 
     def submit(self, job: BatchJob) -> None:
+        self._send(("run", job))
+
+    def learn(self, budget: int) -> None:
+        self._send(("learn", budget))
+
+    def _send(self, message: tuple) -> None:
         assert self._channel is not None
         try:
-            self._channel.send(("run", job))
+            self._channel.send(message)
         except OSError:  # it just exited: its exit handler fails the job
             log.debug("engine %d: send failed", self.index)
 
@@ -294,11 +307,13 @@ def engine_main(index: int, settings: ServeSettings, conn: Connection, parent: i
     executor = BatchExecutor(runner, settings.gpu_memory)
     conn.send(("ready", ModelInfo.from_runner(runner), executor.stats()))
 
-    def receive() -> BatchJob | None:
+    def receive() -> BatchJob | LearnBudget | None:
         try:
             message = conn.recv()
         except (EOFError, OSError):  # the server is gone
             return None
+        if message[0] == "learn":
+            return LearnBudget(message[1])
         return message[1] if message[0] == "run" else None
 
     serve_jobs(executor, receive, conn.send)

@@ -17,6 +17,8 @@ discarded. One dispatch path whether there is one engine or several.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -136,6 +138,15 @@ class Batcher:
         self.items: dict[int, int] = {}
         self.throughput: dict[int, Throughput] = {}
         self.padding = PaddingLedger()
+        # Budgets learned from the ledger (`--learn-budgets`): taught to one engine at a time (each pauses its
+        # batches for the capture), added to the plan once every live engine has them.
+        self.learned: list[int] = []
+        self.refused: dict[int, str] = {}  # budget -> why an engine could not take it
+        self._wanted: list[int] = []  # being taught
+        self._lessons: collections.deque[tuple[int, int]] = collections.deque()  # (budget, engine index) to teach
+        self._teaching: tuple[int, int] | None = None
+        self._learned_cost: dict[int, float] = {}  # budget -> seconds of a replay, as the first engine measured
+        self._learners: dict[int, set[int]] = collections.defaultdict(set)  # budget -> engines that have it
 
     def start(self, loop: asyncio.AbstractEventLoop, engines: list[Backend], model: ModelInfo) -> None:
         self.loop, self.engines, self.model = loop, engines, model
@@ -150,6 +161,9 @@ class Batcher:
         self._outstanding[engine.index] = 0
         self.throughput[engine.index] = Throughput(since=time.monotonic())
         engine.attach(self.loop, self._on_reply, self._on_exit)
+        for budget in [*self.learned, *self._wanted]:  # back from a restart: it lost what it had learned
+            self._lessons.append((budget, engine.index))
+        self._teach()
         self.kick()
 
     # ---- the queue ----------------------------------------------------------------------------
@@ -255,6 +269,9 @@ class Batcher:
     # ---- results ------------------------------------------------------------------------------
     def _on_reply(self, engine: Backend, message: tuple) -> None:
         kind = message[0]
+        if kind == "learned":
+            self._learned(engine, message[1], message[2])
+            return
         if kind == "free":  # the batch left the device: another may be staged while its outputs are written
             freed = self._inflight.get(message[1])
             if freed is not None:
@@ -290,9 +307,12 @@ class Batcher:
         if batch.replays and not self.settings.eager:  # a replay pays its whole budget (eager: its own tokens)
             self.padding.add(batch.key.modality, batch.tokens, batch.key.budget)
             if (sizes := self.padding.new_suggestion(m.plan.budgets)) is not None:
-                log.info("%.0f%% of the graph replays' budgets is padding; batches of %s tokens recur: adding them "
-                         "to --budgets (--budgets auto,%s) gives them graphs of their own (/info padding)",
-                         100 * self.padding.share, ", ".join(map(str, sizes)), ",".join(map(str, sizes)))
+                log.info("%.0f%% of the graph replays' budgets is padding; batches of %s tokens recur: %s",
+                         100 * self.padding.share, ", ".join(map(str, sizes)),
+                         "learning them as budgets" if self.settings.learn_budgets else
+                         f"adding them to --budgets (--budgets auto,{','.join(map(str, sizes))}) gives them graphs "
+                         "of their own (/info padding)")
+                self._learn(sizes)
             self.metrics.replay_tokens.labels("items").inc(batch.tokens)
             self.metrics.replay_tokens.labels("padding").inc(batch.key.budget - batch.tokens)
         self.batches[flight.engine.index] += 1
@@ -309,6 +329,70 @@ class Batcher:
                 num_patches=w.num_patches, num_tokens=w.rows, meta=w.meta,
                 output=OutputRef(it.output, w.rows, m.width, m.dtype_name),
                 preprocess_s=w.preprocess_s, queue_s=flight.dispatched - w.enqueued, gpu_s=seconds))
+
+    # ---- learned budgets --------------------------------------------------------------------------
+    def _learn(self, sizes: list[int]) -> None:
+        """Teach the engines these batch sizes as budgets, within `--learn-budgets`."""
+        assert self.model is not None
+        for budget in sizes:
+            room = len(self.learned) + len(self._wanted) < self.settings.learn_budgets
+            known = budget in self.model.plan.budgets or budget in self._wanted or budget in self.refused
+            if room and not known and budget < self.model.plan.max_budget:
+                self._wanted.append(budget)
+                self._lessons.extend((budget, e.index) for e in self.engines if e.state == "ready")
+        self._teach()
+
+    def _teach(self) -> None:
+        """Send the next lesson, unless one is under way: one engine pauses at a time, the others serve."""
+        while self._teaching is None and self._lessons:
+            budget, index = self._lessons.popleft()
+            engine = next((e for e in self.engines if e.index == index), None)
+            if engine is not None and engine.state == "ready":  # one that is down learns it once back
+                self._teaching = (budget, index)
+                engine.learn(budget)
+        self._plan_learned()
+
+    def _learned(self, engine: Backend, result: Any, stats: dict) -> None:
+        engine.stats = stats
+        if self._teaching == (result.budget, engine.index):
+            self._teaching = None
+        budget = result.budget
+        if result.ok:
+            cost = dict(result.cost.replays).get(budget) if result.cost is not None else None
+            if cost is not None:
+                self._learned_cost.setdefault(budget, cost)
+            self._learners[budget].add(engine.index)
+            log.info("engine %d learned budget %d in %.2fs", engine.index, budget, result.seconds)
+        elif budget in self._wanted:
+            self._wanted.remove(budget)
+            self.refused[budget] = result.reason
+            self._lessons = collections.deque(lesson for lesson in self._lessons if lesson[0] != budget)
+            log.warning("budget %d not learned: engine %d refused it (%s)", budget, engine.index, result.reason)
+        self._teach()
+
+    def _plan_learned(self) -> None:
+        """Budgets every live engine has now go into the plan (with the measured cost of a replay)."""
+        if self.model is None:
+            return
+        for budget in list(self._wanted):
+            taught = not any(lesson[0] == budget for lesson in self._lessons) and (self._teaching or (0,))[0] != budget
+            if not taught or not self._learners[budget]:  # none has it (all down meanwhile): wait for them
+                continue
+            self._wanted.remove(budget)
+            self.learned.append(budget)
+            m = self.model
+            cost = m.cost
+            if cost is not None and budget in self._learned_cost:
+                cost = dataclasses.replace(cost, replays=tuple(sorted(
+                    {**dict(cost.replays), budget: self._learned_cost[budget]}.items())))
+            self.model = dataclasses.replace(m, plan=m.plan.with_budget(budget), cost=cost)
+            log.info("budget %d is in the plan (budgets %s; --budgets auto,%s keeps it across restarts)", budget,
+                     ",".join(map(str, self.model.plan.budgets)), ",".join(map(str, sorted(self.learned))))
+
+    def learning_report(self) -> dict[str, Any]:
+        """For /info: budgets learned while serving, being taught, and refused (with why)."""
+        return {"limit": self.settings.learn_budgets, "learned": sorted(self.learned), "learning": list(self._wanted),
+                "refused": {str(b): why for b, why in self.refused.items()}}
 
     def _fail(self, flight: _InFlight, exc: Exception) -> None:
         for w, it in zip(flight.works, flight.job.items):
@@ -332,6 +416,11 @@ class Batcher:
             self._fail(f, EngineDied(f"engine {engine.index} ({engine.device}) exited (code {engine.exitcode}) "
                                      "while running this request; retry it"))
         self._outstanding[engine.index] = 0
+        for learners in self._learners.values():  # a new process learns them again
+            learners.discard(engine.index)
+        if self._teaching is not None and self._teaching[1] == engine.index:
+            self._teaching = None  # its lessons are taught again when it is back
+            self._teach()
         if engine.state == "stopped":
             return
         left = sum(e.state == "ready" for e in self.engines)
@@ -368,6 +457,7 @@ class Batcher:
                          "outstanding_tokens": self._outstanding.get(e.index, 0),
                          "outstanding_batches": sum(f.engine is e for f in self._inflight.values()),
                          "batches": self.batches.get(e.index, 0), "items": self.items.get(e.index, 0),
+                         "learned_budgets": sorted(b for b, has in self._learners.items() if e.index in has),
                          "graph_hits": stats.get("graph_items", 0),
                          "graph_misses": sum(stats.get("eager_items", {}).values())})
         return rows

@@ -69,7 +69,6 @@ class Engine:
         self.on_fatal = on_fatal
         self.state = "starting"  # starting -> ready -> draining -> stopped, or failed
         self.load_error: str | None = None
-        self.model: ModelInfo | None = None
         self.names = shm.SegmentNames()
         self.backends: list[Backend] = make_backends(settings, runner)
         waits = self.metrics.worker_wait_seconds
@@ -88,6 +87,11 @@ class Engine:
         self.metrics.attach_memory(self.memory)
         if len(self.backends) > 1:
             self.metrics.attach_engines(lambda: engine_samples(self.batcher))
+
+    @property
+    def model(self) -> ModelInfo | None:
+        """The served model as the front packs for it (its plan grows with learned budgets); None until ready."""
+        return self.batcher.model
 
     @property
     def runner(self) -> Any:
@@ -134,7 +138,6 @@ class Engine:
     def _ready(self, model: ModelInfo) -> None:
         if self.state != "starting":
             return
-        self.model = model
         assert self.loop is not None
         self.batcher.start(self.loop, self.backends, model)
         self.state = "ready"

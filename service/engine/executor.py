@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphs.runner import GraphRunner
+from graphs.runner import GraphRunner, LearnedBudget
 from models.config import VisualInput
 from service import shm
-from service.engine.types import BatchJob, new_error_id
+from service.engine.types import BatchJob, LearnBudget, new_error_id
 
 log = logging.getLogger("vitserve.engine")
 
@@ -109,6 +109,15 @@ class BatchExecutor:
             for it in job.items:
                 shm.retire(it.pixels)
 
+    def learn(self, budget: int) -> LearnedBudget:
+        """`GraphRunner.learn_budget`, on the dispatch thread with nothing in flight; never raises (a budget it
+        cannot take is refused with the reason)."""
+        try:
+            return self.runner.learn_budget(budget)
+        except Exception as exc:  # noqa: BLE001 - e.g. a budget past the largest: refused, not fatal
+            log.error("budget %d not learned: %s: %s", budget, type(exc).__name__, exc)
+            return LearnedBudget(budget, False, f"{type(exc).__name__}: {exc}", self.runner.plan, self.runner.cost)
+
     def wait(self, running: Running) -> float:
         """Wait until the job has left the device (its rows are on the host); its device seconds: from
         its start there, or the previous job's end if it queued behind it, to its rows' arrival."""
@@ -148,13 +157,15 @@ class BatchExecutor:
         return done - running.started
 
 
-def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
+def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | LearnBudget | None],
                reply: Callable[[tuple], None], name: str = "vitserve-complete") -> None:
     """Run jobs from `receive` (None: stop) until it stops; replies ("free", job id) once a job has left
     the device, then ("done", job id, seconds, device seconds, pool stats, host seconds by step) or
-    ("error", job id, error id, message, code), through `reply`, which may be called from two threads."""
+    ("error", job id, error id, message, code), through `reply`, which may be called from two threads.
+    A `LearnBudget` waits until every job before it is done (a capture needs the device idle and no other
+    thread of the process touching it), then replies ("learned", `LearnedBudget`, pool stats)."""
     lock = threading.Lock()
-    pending: queue.Queue[Running | None] = queue.Queue()
+    pending: queue.Queue[Running | threading.Event | None] = queue.Queue()
 
     def send(message: tuple) -> None:
         with lock:
@@ -162,6 +173,9 @@ def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
 
     def complete() -> None:
         while (running := pending.get()) is not None:
+            if isinstance(running, threading.Event):  # everything before it is done: the dispatcher may go on
+                running.set()
+                continue
             try:
                 device_s = executor.wait(running)
                 send(("free", running.job.id))
@@ -174,6 +188,12 @@ def serve_jobs(executor: BatchExecutor, receive: Callable[[], BatchJob | None],
     completer.start()
     try:
         while (job := receive()) is not None:
+            if isinstance(job, LearnBudget):
+                drained = threading.Event()
+                pending.put(drained)
+                drained.wait()
+                send(("learned", executor.learn(job.budget), executor.stats()))
+                continue
             try:
                 pending.put(executor.start(job))
             except Exception as exc:

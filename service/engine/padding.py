@@ -42,14 +42,15 @@ class PaddingLedger:
 
     def suggested_budgets(self, budgets: tuple[int, ...]) -> list[int]:
         """Batch sizes that make at least `SIZE_SHARE` of the replays and pay at least `PADDING_SHARE` of their
-        budget in padding: the `MAX_SUGGESTED` that paid the most, ascending. Not below the smallest budget:
-        there a replay costs its launches more than its tokens (the packing's cost model prices all such
-        batches alike)."""
+        budget in padding: the `MAX_SUGGESTED` that paid the most, ascending, none already in `budgets`. Not below
+        the smallest budget: there a replay costs its launches more than its tokens (the packing's cost model
+        prices all such batches alike)."""
         if self.replayed < MIN_REPLAYS:
             return []
         wanted: Counter[int] = Counter()
         for (_, tokens, budget), n in self.replays.items():
-            if tokens > budgets[0] and n >= SIZE_SHARE * self.replayed and budget - tokens >= PADDING_SHARE * budget:
+            recurs = n >= SIZE_SHARE * self.replayed and budget - tokens >= PADDING_SHARE * budget
+            if recurs and tokens > budgets[0] and tokens not in budgets:
                 wanted[tokens] += n * (budget - tokens)
         return sorted(tokens for tokens, _ in wanted.most_common(MAX_SUGGESTED))
 

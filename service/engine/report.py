@@ -74,6 +74,8 @@ def engine_info(engine: Reported) -> dict[str, Any]:
         "budgets": list(m.plan.budgets),
         # this front's replays: how much of their budgets was padding, and the budgets that would save it
         "padding": engine.batcher.padding.report(m.plan.budgets),
+        # budgets added while serving (--learn-budgets): in `budgets` once every live engine has them
+        "learned_budgets": engine.batcher.learning_report(),
         "max_batch_items": m.plan.max_items,
         "t_capture": m.plan.t_capture,
         "captured": list(m.captured),

@@ -177,6 +177,13 @@ class BatchJob:
 
 
 @dataclass(frozen=True)
+class LearnBudget:
+    """A control job: capture the graphs of one more budget (`GraphRunner.learn_budget`), between batches."""
+
+    budget: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the front needs to know of the served model, whichever backend runs it (picklable)."""
 
