@@ -106,7 +106,7 @@ class BudgetPlan:
         return self.budgets[-1]
 
     def with_budget(self, budget: int) -> BudgetPlan:
-        """The same plan with one more budget (learned from traffic: `GraphRunner.learn_budget`). Not above the
+        """The same plan with one more budget (learned from traffic: `graphs.learning.learn_budget`). Not above the
         largest: that one sizes the shared input buffers and the item limit."""
         if not 1 <= budget < self.max_budget:
             raise BudgetError(f"a budget added to the plan must lie between 1 and {self.max_budget - 1}, got {budget}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from graphs.budgets import BudgetPlan, GraphKey
+from graphs.budgets import BudgetPlan
 from graphs.packing import Batch, CostModel, PackItem, pack
 from graphs.pool import GraphPool
 from graphs.stats import PoolStats
@@ -54,18 +54,6 @@ def plan_for(tower: VisionTower, max_batch_tokens: int = 16384, budgets: list[in
         whole_clip=whole_clip,
         steps_per_octave=steps_per_octave,
     )
-
-
-@dataclass(frozen=True)
-class LearnedBudget:
-    """What `GraphRunner.learn_budget` did: the runner's plan and costs after it (picklable)."""
-
-    budget: int
-    ok: bool
-    reason: str  # "ok", or why the budget was refused
-    plan: BudgetPlan
-    cost: CostModel | None
-    seconds: float = 0.0
 
 
 class GraphRunner:
@@ -123,7 +111,7 @@ class GraphRunner:
             return
         stats = self.stats.as_dict()
         self.cost = None  # packing without costs: one replay per batch, in the smallest budget holding it
-        replays = [(budget, cost) for budget in self.plan.budgets if (cost := self._replay_cost(budget)) is not None]
+        replays = [(budget, cost) for budget in self.plan.budgets if (cost := self.replay_cost(budget)) is not None]
         mid = self._frame(16, 16)
         top = max(1, min(8, self.plan.max_items, self.plan.max_budget // mid.num_tokens(self.tower.merge)))
         eager = [(len(batch) * mid.num_tokens(self.tower.merge), self._timed(batch, True, reps=5))
@@ -144,7 +132,7 @@ class GraphRunner:
         modality = "image" if "image" in self.modalities else self.modalities[0]  # a one-frame video otherwise
         return VisualInput(modality, pixels, (1, h, w))
 
-    def _replay_cost(self, budget: int) -> float | None:
+    def replay_cost(self, budget: int) -> float | None:
         """Seconds of one replay of `budget` full of small frames (33 to 64 tokens: strips two tokens high, one
         length class), the fastest of three; None if the packing does not route them to that budget's graph."""
         count = -(-budget // 64)
@@ -179,58 +167,6 @@ class GraphRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def learn_budget(self, budget: int) -> LearnedBudget:
-        """Add a budget while serving: capture its graphs into the pool, check one replay per modality against
-        eager, time a replay into the cost model, then add it to the plan. Everything or nothing: a key that
-        fails leaves the plan as it was (its graphs dropped). Call with the device idle (`GraphPool.capture_more`)."""
-        from graphs.self_check import TOLERANCE, relative_difference, sample_item
-
-        start = time.perf_counter()
-        if budget in self.plan.budgets:
-            return LearnedBudget(budget, True, "already in the plan", self.plan, self.cost)
-        if not self.use_graphs or not self.pool.graphs:
-            return LearnedBudget(budget, False, "this engine serves without graphs", self.plan, self.cost)
-        plan = self.plan.with_budget(budget)  # BudgetError past the largest budget: the caller's mistake
-        keys = plan.budget_keys(budget, self.modalities)
-        stats = self.stats.as_dict()
-        try:
-            failures = self.pool.capture_more(keys)
-            if failures:
-                key, why = next(iter(failures.items()))
-                raise RuntimeError(f"{len(failures)} of {len(keys)} graphs failed ({key}: {why})")
-            old_plan, old_cost, self.plan = self.plan, self.cost, plan
-            try:
-                for modality in self.modalities:  # the sample goes to the new budget's graph of its length class
-                    item = sample_item(self, modality)
-                    key = GraphKey(modality, budget, plan.length_class(max(
-                        self.tower.geometry.segment_lengths(item.grid_thw))))
-                    with torch.inference_mode():
-                        reference = joined(self.eager(item.pixels, [item.grid_thw], modality)).clone()
-                        rows = self.pool.replay(key, item.pixels, [item.grid_thw]).clone()
-                    diff = relative_difference(rows, reference)
-                    if not diff <= TOLERANCE:
-                        raise RuntimeError(f"{key} differs from eager by {diff:.2e} (relative)")
-                if self.cost is not None:  # timed as calibrated: packed without costs, so in one replay
-                    costs, self.cost = self.cost, None
-                    cost = self._replay_cost(budget)
-                    replays = sorted({**dict(costs.replays), **({budget: cost} if cost is not None else {})}.items())
-                    self.cost = CostModel(tuple(replays), costs.eager)
-            except BaseException:
-                self.plan, self.cost = old_plan, old_cost
-                raise
-        except Exception as exc:  # noqa: BLE001 - the budget is refused with its reason; serving goes on
-            self.pool.drop(keys)
-            self.stats.reset_to(stats)
-            reason = f"{type(exc).__name__}: {exc}"
-            log.error("budget %d not learned: %s", budget, reason)
-            return LearnedBudget(budget, False, reason, self.plan, self.cost, time.perf_counter() - start)
-        self.stats.reset_to(stats)  # the checks and timing are not traffic
-        seconds = time.perf_counter() - start
-        cost = dict(self.cost.replays).get(budget) if self.cost is not None else None
-        log.info("budget %d learned: %d graphs in %.2fs%s", budget, len(keys), seconds,
-                 f", replay {cost * 1e3:.2f} ms" if cost is not None else "")
-        return LearnedBudget(budget, True, "ok", self.plan, self.cost, seconds)
 
     def _run_all(self, items: Sequence[VisualInput], force_eager: bool) -> None:
         for batch in self.pack_items(items):
@@ -267,7 +203,7 @@ class GraphRunner:
         error = self.eager_errors.get(items[0].modality)
         if error is not None:
             raise EagerUnavailable(f"this batch needs the eager path ({reason}), which failed its self-check: {error}")
-        return joined(self.eager(pixels, grids, items[0].modality))
+        return self.eager(pixels, grids, items[0].modality).joined()
 
     def run_batch(self, batch: Batch, items: Sequence[VisualInput]) -> list[ItemOutput]:
         """`run`, split into each item's own output tensors (copies: they outlive the next replay)."""
@@ -341,11 +277,6 @@ def concat_pixels(parts: list, pin: bool = False) -> np.ndarray | torch.Tensor:
     staged = torch.empty((rows, *parts[0].shape[1:]), dtype=torch.from_numpy(parts[0][:0]).dtype, pin_memory=True)
     np.concatenate(parts, out=staged.numpy())
     return staged
-
-
-def joined(out: TowerOutput) -> torch.Tensor:
-    """The main embedding and each DeepStack level side by side: [tokens, out_hidden * (1 + levels)]."""
-    return torch.cat([out.embeds, *out.deepstack], dim=-1) if out.deepstack else out.embeds
 
 
 def split(rows: torch.Tensor, tokens: list[int], hidden: int) -> list[ItemOutput]:

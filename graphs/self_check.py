@@ -20,6 +20,7 @@ import torch
 from models.config import VisualInput
 
 if TYPE_CHECKING:
+    from graphs.budgets import GraphKey
     from graphs.runner import GraphRunner
 
 log = logging.getLogger("vitserve.graphs")
@@ -54,11 +55,23 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def check_replay(runner: GraphRunner, key: GraphKey, item: VisualInput, reference: torch.Tensor | None) -> None:
+    """Replay `item` alone through `key`'s graph; raise unless it agrees with the eager `reference` rows (or,
+    without one, is finite)."""
+    with torch.inference_mode():
+        rows = runner.pool.replay(key, item.pixels, [item.grid_thw]).clone()
+    if reference is None:
+        if not torch.isfinite(rows.float()).all():
+            raise ValueError("non-finite output")
+        return
+    diff = relative_difference(rows, reference)
+    if not diff <= TOLERANCE:
+        raise ValueError(f"differs from eager by {diff:.2e} (relative)")
+
+
 def self_check(runner: GraphRunner) -> dict[str, str]:
     """Check every path; drop what fails (see the module docstring). Returns path -> "ok" or the reason,
     also kept in `runner.stats.self_check`. Raises SelfCheckError when no path can serve."""
-    from graphs.runner import joined
-
     results: dict[str, str] = {}
     snapshot = runner.stats.as_dict()
     for modality in runner.modalities:
@@ -66,7 +79,7 @@ def self_check(runner: GraphRunner) -> dict[str, str]:
         reference = None
         try:
             with torch.inference_mode():
-                reference = joined(runner.eager(item.pixels, [item.grid_thw], modality)).clone()
+                reference = runner.eager(item.pixels, [item.grid_thw], modality).joined().clone()
             if not torch.isfinite(reference.float()).all():
                 raise ValueError("non-finite output")
             results[f"eager/{modality}"] = OK
@@ -85,15 +98,7 @@ def self_check(runner: GraphRunner) -> dict[str, str]:
         reason = OK
         for key in dict.fromkeys(chosen):  # the smallest that holds it, then the largest
             try:
-                with torch.inference_mode():
-                    rows = runner.pool.replay(key, item.pixels, [item.grid_thw]).clone()
-                if reference is None:
-                    if not torch.isfinite(rows.float()).all():
-                        raise ValueError("non-finite output")
-                    continue
-                diff = relative_difference(rows, reference)
-                if not diff <= TOLERANCE:
-                    raise ValueError(f"differs from eager by {diff:.2e} (relative)")
+                check_replay(runner, key, item, reference)
             except Exception as exc:  # noqa: BLE001
                 reason = f"{key}: {type(exc).__name__}: {exc}"
                 break

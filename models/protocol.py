@@ -111,6 +111,10 @@ class TowerOutput:
     embeds: torch.Tensor
     deepstack: list[torch.Tensor]
 
+    def joined(self) -> torch.Tensor:
+        """The main embedding and each DeepStack level side by side: [tokens, out_hidden * (1 + levels)]."""
+        return torch.cat([self.embeds, *self.deepstack], dim=-1) if self.deepstack else self.embeds
+
 
 class Layout(Protocol):
     """A family's attention layout beyond whole frames (window attention), as a small picklable value:

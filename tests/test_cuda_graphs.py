@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphs.budgets import GraphKey
+from graphs.learning import learn_budget
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
 from models.families import FAMILIES
@@ -250,7 +251,7 @@ def test_video_chunking_equals_eager_on_the_gpu():
 
 @pytest.mark.parametrize("name", ["random:qwen3-vl-8b", "random:qwen2.5-vl-7b"])
 def test_a_learned_budget_matches_eager_on_the_gpu(name):
-    """A budget captured after start-up (`GraphRunner.learn_budget`) into the pool and buffers the live graphs
+    """A budget captured after start-up (`graphs.learning.learn_budget`) into the pool and buffers the live graphs
     use: a lone 196-token image replays in it, right; equal tokens with other boundaries share it; a small
     replay after a large one is unchanged; the graphs captured at start-up still replay right after it."""
     tower = load_tower(name, device="cuda", dtype="bfloat16")
@@ -261,7 +262,7 @@ def test_a_learned_budget_matches_eager_on_the_gpu(name):
     lone = make_items(tower, [(1, 14 * m, 14 * m)], 31)  # 196 tokens: a 448x448 image of the Qwen3 line
     assert runner.pack_items(lone)[0].key.budget == 256
     check_against_eager(runner, lone[0], runner.encode(lone)[0])
-    learned = runner.learn_budget(196)
+    learned = learn_budget(runner, 196)
     assert learned.ok, learned.reason
     assert runner.plan.budgets[:4] == (64, 128, 196, 256) and 196 in dict(runner.cost.replays)
     assert all(k in runner.pool.graphs for k in runner.plan.budget_keys(196))

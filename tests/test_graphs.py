@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphs.budgets import BudgetError, BudgetPlan, GraphKey, auto_budgets
+from graphs.learning import learn_budget
 from graphs.packing import CostModel, PackItem, pack
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
@@ -510,7 +511,7 @@ def test_a_learned_budget_replays_its_own_size_and_matches_eager(name):
     assert runner.pack_items(lone)[0].key.budget == 128
     first = runner.encode(lone)[0].embeds
     before = runner.stats.as_dict()
-    learned = runner.learn_budget(80)
+    learned = learn_budget(runner, 80)
     assert learned.ok and learned.reason == "ok" and learned.plan.budgets == (64, 80, 128, 256)
     traffic = ("graph_items", "eager_items", "replays", "eager_batches")
     assert runner.plan.budgets == (64, 80, 128, 256)
@@ -528,7 +529,7 @@ def test_a_learned_budget_replays_its_own_size_and_matches_eager(name):
         assert rel_err(o.embeds, solo(runner, it).embeds) < 1e-5
     runner.encode(make_items(tower, [(1, 16 * m, 14 * m)], 23))
     assert torch.equal(runner.encode(lone)[0].embeds, out)
-    assert runner.learn_budget(80).reason == "already in the plan"
+    assert learn_budget(runner, 80).reason == "already in the plan"
 
 
 def test_a_budget_that_fails_to_capture_or_check_is_refused_and_the_plan_stays():
@@ -544,7 +545,7 @@ def test_a_budget_that_fails_to_capture_or_check_is_refused_and_the_plan_stays()
         return capture_one(key, cap)
 
     runner.pool._capture_one = failing
-    refused = runner.learn_budget(96)
+    refused = learn_budget(runner, 96)
     assert not refused.ok and "injected capture failure" in refused.reason
     assert runner.plan.budgets == (64, 128, 256) and refused.plan == runner.plan
     assert set(runner.pool.graphs) == graphs and runner.pool.failed == failed  # its graphs dropped
@@ -553,13 +554,13 @@ def test_a_budget_that_fails_to_capture_or_check_is_refused_and_the_plan_stays()
 
     replay = runner.pool.replay
     runner.pool.replay = lambda key, pixels, grids: replay(key, pixels, grids) + 1  # stale rows, say
-    refused = runner.learn_budget(96)
+    refused = learn_budget(runner, 96)
     assert not refused.ok and "differs from eager" in refused.reason
     assert runner.plan.budgets == (64, 128, 256) and set(runner.pool.graphs) == graphs
     runner.pool.replay = replay
-    assert runner.learn_budget(96).ok and runner.plan.budgets == (64, 96, 128, 256)
+    assert learn_budget(runner, 96).ok and runner.plan.budgets == (64, 96, 128, 256)
     with pytest.raises(BudgetError, match="between 1 and 255"):
-        runner.learn_budget(256 + 64)
+        learn_budget(runner, 256 + 64)
 
 
 def test_a_key_the_shared_buffers_cannot_hold_is_refused_not_reallocated():
@@ -596,5 +597,5 @@ def test_a_budget_whose_timing_ran_eagerly_gets_no_replay_price():
     runner.pool.replay = replay
     runner.calibrate()
     assert [b for b, _ in runner.cost.replays] == [64, 128, 256]
-    assert runner._replay_cost(196) is None  # no graph of that budget
-    assert runner.learn_budget(196).ok and 196 in dict(runner.cost.replays)
+    assert runner.replay_cost(196) is None  # no graph of that budget
+    assert learn_budget(runner, 196).ok and 196 in dict(runner.cost.replays)

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from graphs.runner import GraphRunner, LearnedBudget, plan_for
+from graphs.learning import LearnedBudget
+from graphs.runner import GraphRunner, plan_for
 from models import load_tower
 from service import shm
 from service.engine.batcher import Batcher

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from graphs.learning import learn_budget
 from graphs.runner import GraphRunner, concat_pixels, plan_for
 from models import VisualInput, load_tower
 from service.bench import towers
@@ -67,7 +68,7 @@ def main() -> None:
             tokens = sum(t * h * w for t, h, w in grids) // tower.merge_unit
             with torch.inference_mode():
                 default = measure(runner, on_device, staged, floor)
-                learned = runner.learn_budget(tokens)
+                learned = learn_budget(runner, tokens)
                 after = measure(runner, on_device, staged, floor)
             row = dict(model=name, workload=workload, budget=tokens, learned=learned.ok, reason=learned.reason,
                        learn_s=round(learned.seconds, 3), default=default, learned_budget=after,

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphs.runner import GraphRunner, LearnedBudget
+from graphs.learning import LearnedBudget, learn_budget
+from graphs.runner import GraphRunner
 from models.config import VisualInput
 from service import shm
 from service.engine.types import BatchJob, LearnBudget, new_error_id
@@ -110,10 +111,10 @@ class BatchExecutor:
                 shm.retire(it.pixels)
 
     def learn(self, budget: int) -> LearnedBudget:
-        """`GraphRunner.learn_budget`, on the dispatch thread with nothing in flight; never raises (a budget it
+        """`learn_budget`, on the dispatch thread with nothing in flight; never raises (a budget it
         cannot take is refused with the reason)."""
         try:
-            return self.runner.learn_budget(budget)
+            return learn_budget(self.runner, budget)
         except Exception as exc:  # noqa: BLE001 - e.g. a budget past the largest: refused, not fatal
             log.error("budget %d not learned: %s: %s", budget, type(exc).__name__, exc)
             return LearnedBudget(budget, False, f"{type(exc).__name__}: {exc}", self.runner.plan, self.runner.cost)

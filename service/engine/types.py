@@ -178,7 +178,7 @@ class BatchJob:
 
 @dataclass(frozen=True)
 class LearnBudget:
-    """A control job: capture the graphs of one more budget (`GraphRunner.learn_budget`), between batches."""
+    """A control job: capture the graphs of one more budget (`graphs.learning.learn_budget`), between batches."""
 
     budget: int
 
