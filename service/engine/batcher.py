@@ -375,8 +375,8 @@ class Batcher:
         if self.model is None:
             return
         for budget in list(self._wanted):
-            taught = not any(lesson[0] == budget for lesson in self._lessons) and (self._teaching or (0,))[0] != budget
-            if not taught or not self._learners[budget]:  # none has it (all down meanwhile): wait for them
+            pending = any(lesson[0] == budget for lesson in [*self._lessons, *filter(None, [self._teaching])])
+            if pending or not self._learners[budget]:  # none has it (all down meanwhile): wait for them
                 continue
             self._wanted.remove(budget)
             self.learned.append(budget)
