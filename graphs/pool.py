@@ -85,8 +85,7 @@ class GraphPool:
             # processes on the device do not move it).
             torch.cuda.empty_cache()
             self.stats.pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
-        self.stats.captured = sum(g.graph is not None for g in self.graphs.values())
-        self.stats.graph_keys = len(self.graphs)
+        self._recount()
         self.stats.capture_seconds = time.perf_counter() - start
         if is_cuda:
             self.stats.graph_mode, self.stats.no_graphs_reason = "cuda_graphs", None
@@ -144,8 +143,7 @@ class GraphPool:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
-        self.stats.captured = sum(g.graph is not None for g in self.graphs.values())
-        self.stats.graph_keys = len(self.graphs)
+        self._recount()
         log.info("graph pool: %d more graph(s) in %.2fs, %d failed", sum(k in self.graphs for k in fitting),
                  time.perf_counter() - start, len(failures))
         return failures
@@ -167,6 +165,16 @@ class GraphPool:
             self.graphs.pop(key, None)
             self.failed.pop(key, None)
             self.stats.capture_failures.pop(str(key), None)
+        self._recount()
+
+    def fail(self, keys: list[GraphKey], reason: str) -> None:
+        """Drop these keys' graphs as failed: their batches run eagerly, with the reason in the stats."""
+        for key in keys:
+            self.graphs.pop(key, None)
+            self.failed[key] = self.stats.capture_failures[str(key)] = reason
+        self._recount()
+
+    def _recount(self) -> None:
         self.stats.captured = sum(g.graph is not None for g in self.graphs.values())
         self.stats.graph_keys = len(self.graphs)
 

@@ -104,12 +104,7 @@ def self_check(runner: GraphRunner) -> dict[str, str]:
                 break
         results[f"graphs/{modality}"] = reason
         if reason != OK:
-            for key in keys:  # served eagerly from now on, as a failed capture's keys are
-                runner.pool.graphs.pop(key, None)
-                runner.pool.failed[key] = f"self-check: {reason}"
-                runner.stats.capture_failures[str(key)] = runner.pool.failed[key]
-            runner.stats.captured = sum(g.graph is not None for g in runner.pool.graphs.values())
-            runner.stats.graph_keys = len(runner.pool.graphs)
+            runner.pool.fail(keys, f"self-check: {reason}")  # served eagerly, as a failed capture's keys are
             log.error("self-check: %s graphs dropped, served eagerly: %s", modality, reason)
     runner.stats.reset_to(snapshot)  # the checks are not traffic
     runner.stats.self_check = results
