@@ -4,14 +4,17 @@ Replay pattern, for every batch:
   1. build the batch's metadata on the CPU at the key's capacity (padding = empty segments; kept for
      batches that recur, such as a lone image of a common size);
   2. copy the pixels, then all metadata arrays at once, into the static input buffers (pinned, async);
+     metadata the device already holds (the same batch layout as the graph's region last took) is
+     not copied again;
   3. replay, then copy the item rows out of the static outputs before any other graph runs.
-All graphs share one memory pool, captured largest first, and one set of input buffers sized for
-the largest capacity (each graph reads a prefix view). The metadata buffers are regions of one
-device allocation, laid out like one page-locked host staging buffer, so a replay uploads them in
-one copy: every torch call releases and retakes the GIL, which under a busy server costs up to a
-switch interval each. Nothing a graph reads is reallocated after its capture. On the CPU there is
-no graph: "replay" re-runs the fixed-shape forward on the same static buffers, so the packing,
-refresh and padding logic is exercised everywhere.
+All graphs share one memory pool, captured largest first, one pixel buffer and one output buffer
+sized for the largest capacity (each graph reads a prefix view). The metadata buffers of the graphs
+of one patch count (one budget) are regions of one device allocation of their own, laid out like a
+page-locked host staging buffer, so a replay uploads them in one copy: every torch call releases and
+retakes the GIL, which under a busy server costs up to a switch interval each, and each copy the
+device waits for delays a lone batch. Nothing a graph reads is reallocated after its capture. On the
+CPU there is no graph: "replay" re-runs the fixed-shape forward on the same static buffers, so the
+packing, refresh and padding logic is exercised everywhere.
 """
 
 from __future__ import annotations
@@ -48,10 +51,9 @@ class GraphPool:
         self.stats = stats
         self.graphs: dict[GraphKey, CapturedGraph] = {}
         self.failed: dict[GraphKey, str] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._meta_offsets: dict[str, int] = {}  # byte offset of each metadata buffer in _meta_flat
+        self._pixels: torch.Tensor | None = None
+        self._regions: dict[int, MetadataRegion] = {}  # by the capacity's patch count
         self._meta_dtypes: dict[str, np.dtype] = {}
-        self._meta_flat: torch.Tensor | None = None
         # Packed metadata of recent batches by (key, grids): a lone image of a common size recurs, and
         # building its metadata (0.24 ms for Qwen2.5-VL's windows, H200 host) delays its replay.
         self._meta_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -125,7 +127,7 @@ class GraphPool:
         use (the live graphs read those buffers: nothing is reallocated). The device must be idle: nothing
         else may run or wait on it meanwhile from any thread of this process (a capture then fails, or
         breaks theirs). A key whose capacity the buffers cannot hold is refused; the failures, by key."""
-        if self._meta_flat is None or self._joined is None:
+        if self._pixels is None or self._joined is None:
             raise RuntimeError("capture_more needs a pool captured at start-up")
         is_cuda = self.device.type == "cuda"
         failures: dict[GraphKey, str] = {}
@@ -136,8 +138,14 @@ class GraphPool:
                 failures[key] = why
             elif key not in self.graphs:
                 fitting.append(key)
+        new_regions = {}  # a budget new to the pool gets metadata buffers of its own; live graphs read none of them
+        for key in fitting:
+            if self.plan.capacity(key).patches not in self._regions:
+                new_regions.setdefault(self.plan.capacity(key).patches, []).append(self.plan.capacity(key))
         reserved_before = torch.cuda.memory_reserved(self.device) if is_cuda else 0
         start = time.perf_counter()
+        for caps in new_regions.values():
+            self._add_region(caps)
         failures.update(self._capture_keys(fitting))
         if is_cuda:
             torch.cuda.synchronize(self.device)
@@ -149,11 +157,14 @@ class GraphPool:
         return failures
 
     def _overflow(self, cap: Capacity) -> str | None:
-        """Why the shared buffers cannot hold a capacity's inputs and output, or None."""
-        for name, arr in self._empty_inputs(cap).items():
-            if arr.shape[0] > self._buffers[name].shape[0]:
-                return f"{name}: {arr.shape[0]} rows, the buffers hold {self._buffers[name].shape[0]}"
-        assert self._joined is not None
+        """Why the buffers live graphs share cannot hold a capacity's inputs and output, or None."""
+        assert self._pixels is not None and self._joined is not None
+        if cap.patches > self._pixels.shape[0]:
+            return f"pixels: {cap.patches} rows, the buffers hold {self._pixels.shape[0]}"
+        region = self._regions.get(cap.patches)
+        for name, arr in (self.tower.build_metadata([], cap).items() if region else ()):
+            if arr.shape[0] > region.buffers[name].shape[0]:
+                return f"{name}: {arr.shape[0]} rows, the buffers hold {region.buffers[name].shape[0]}"
         rows = self.tower.geometry.output_rows(cap)
         if rows > self._joined.shape[0]:
             return f"output: {rows} rows, the buffer holds {self._joined.shape[0]}"
@@ -193,29 +204,34 @@ class GraphPool:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return stream
 
-    def _empty_inputs(self, cap: Capacity) -> dict[str, np.ndarray]:
-        pixels = np.zeros((cap.patches, self.tower.processor.patch_dim), np.uint8)
-        return {"pixels": pixels, **self.tower.build_metadata([], cap)}
-
     def _allocate_inputs(self, caps: list[Capacity]) -> None:
-        """One device buffer per input name, as long as the longest any graph needs, before any capture."""
+        """The pixel buffer, as long as the longest capacity needs, and the metadata regions, before any capture."""
+        patches = max((cap.patches for cap in caps), default=0)
+        self._pixels = torch.zeros((patches, self.tower.processor.patch_dim), dtype=torch.uint8, device=self.device)
+        by_patches: dict[int, list[Capacity]] = {}
+        for cap in caps:
+            by_patches.setdefault(cap.patches, []).append(cap)
+        self._regions.clear()
+        for group in by_patches.values():
+            self._add_region(group)
+
+    def _add_region(self, caps: list[Capacity]) -> None:
+        """The metadata buffers of capacities of one patch count: each as long as the longest of them needs,
+        back to back in one device allocation."""
         longest: dict[str, np.ndarray] = {}
         for cap in caps:
-            for name, arr in self._empty_inputs(cap).items():
+            for name, arr in self.tower.build_metadata([], cap).items():
                 if name not in longest or arr.shape[0] > longest[name].shape[0]:
                     longest[name] = arr
-        pixels = longest.pop("pixels")
-        self._buffers["pixels"] = torch.zeros(pixels.shape, dtype=torch.uint8, device=self.device)
-        size = 0
+        offsets, size = {}, 0
         for name, arr in longest.items():
-            self._meta_offsets[name] = size
+            offsets[name] = size
             self._meta_dtypes[name] = arr.dtype
             size += -(-arr.nbytes // META_ALIGN) * META_ALIGN
-        self._meta_flat = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        for name, arr in longest.items():
-            start = self._meta_offsets[name]
-            region = self._meta_flat[start:start + arr.nbytes]
-            self._buffers[name] = region.view(torch.from_numpy(arr).dtype).view(arr.shape)
+        flat = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        buffers = {name: flat[offsets[name]:offsets[name] + arr.nbytes].view(torch.from_numpy(arr).dtype)
+                   .view(arr.shape) for name, arr in longest.items()}
+        self._regions[caps[0].patches] = MetadataRegion(flat, offsets, buffers)
 
     def _allocate_outputs(self, tokens: int) -> None:
         """Every graph writes its result here, outside the graph memory pool, so no graph output
@@ -236,10 +252,14 @@ class GraphPool:
         return self._joined[:tokens]
 
     def _input_views(self, cap: Capacity) -> dict[str, torch.Tensor]:
-        """Static inputs for a capacity: prefixes of the shared buffers, holding an empty batch."""
-        views = {}
-        for name, arr in self._empty_inputs(cap).items():
-            view = self._buffers[name][: arr.shape[0]]
+        """Static inputs for a capacity: prefixes of the pixel buffer and of its region's metadata buffers,
+        holding an empty batch."""
+        assert self._pixels is not None
+        region = self._regions[cap.patches]
+        region.loaded = None  # written here, not by an upload
+        views = {"pixels": self._pixels[: cap.patches]}
+        for name, arr in self.tower.build_metadata([], cap).items():
+            view = region.buffers[name][: arr.shape[0]]
             view.copy_(torch.from_numpy(arr))
             views[name] = view
         return views
@@ -269,17 +289,14 @@ class GraphPool:
         g = self.graphs[key]
         cap = g.capacity
         _upload(g.inputs["pixels"][: len(pixels)], pixels)
-        assert self._meta_flat is not None
-        staged = self._staged_metadata(key, grids, g)
-        for dst, src, size in staged.runs:
-            self._meta_flat[dst:dst + size].copy_(staged.host[src:src + size], non_blocking=True)
+        self._regions[cap.patches].load(self._staged_metadata(key, grids, g))
         tokens = sum(self.tower.geometry.tokens(grid, key.modality) for grid in grids)
-        with torch.inference_mode():
-            if g.graph is None:
+        if g.graph is not None:
+            g.graph.replay()  # no autograd state to set: a replay only launches (entering a mode costs a lone batch)
+            out = g.output
+        else:
+            with torch.inference_mode():
                 out = self._forward_into_outputs(g.inputs, cap)
-            else:
-                g.graph.replay()
-                out = g.output
         self.stats.record_replay(str(key), len(grids))
         return out[:tokens]
 
@@ -291,7 +308,8 @@ class GraphPool:
         if staged is not None:
             self._meta_cache.move_to_end(cache_key)
             return staged
-        staged = self._pack_metadata(self.tower.build_metadata(grids, g.capacity), g.inputs)
+        staged = self._pack_metadata(self.tower.build_metadata(grids, g.capacity), g.inputs,
+                                     self._regions[g.capacity.patches])
         self._meta_cache[cache_key] = staged
         self._meta_cache_bytes += staged.nbytes
         while self._meta_cache_bytes > META_CACHE_BYTES:
@@ -299,18 +317,19 @@ class GraphPool:
             self._meta_cache_bytes -= old.nbytes
         return staged
 
-    def _pack_metadata(self, meta: dict[str, np.ndarray], views: dict[str, torch.Tensor]) -> StagedMetadata:
+    def _pack_metadata(self, meta: dict[str, np.ndarray], views: dict[str, torch.Tensor], region: MetadataRegion
+                       ) -> StagedMetadata:
         """Every metadata array back to back in one (page-locked) buffer, with the runs that copy them to
-        their buffers' offsets. The buffers are sized for the largest capacity, so a small batch's arrays
-        lie far apart: arrays closer than `META_GAP_BYTES` share one copy (stale bytes between them belong
-        to longer capacities' views, never read by this graph), the rest get a copy each."""
+        their offsets in the region. A region's buffers are as long as its longest capacity needs, so one
+        graph's arrays may lie apart: arrays closer than `META_GAP_BYTES` share one copy (stale bytes
+        between them belong to longer capacities' views, never read by this graph), the rest get a copy each."""
         spans = []
         for name, arr in meta.items():
             view = views[name]  # the graph reads exactly this prefix: the array must fill it
             if arr.shape != tuple(view.shape) or arr.dtype != self._meta_dtypes[name]:
                 raise ValueError(f"metadata {name}: {arr.dtype}{arr.shape} for a {view.dtype}{tuple(view.shape)} "
                                  "buffer")
-            spans.append((self._meta_offsets[name], np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+            spans.append((region.offsets[name], np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
         spans.sort(key=lambda span: span[0])
         runs: list[tuple[int, int, list]] = []  # (device start, device end, arrays) of each copy
         for start, data in spans:
@@ -329,6 +348,26 @@ class GraphPool:
             copies.append((first, at, end - first))
             at += end - first
         return StagedMetadata(host, tuple(copies))
+
+
+@dataclass
+class MetadataRegion:
+    """The metadata buffers of the graphs of one patch count, in one device allocation (`flat`)."""
+
+    flat: torch.Tensor
+    offsets: dict[str, int]  # byte offset of each buffer in flat
+    buffers: dict[str, torch.Tensor]  # views of flat
+    loaded: StagedMetadata | None = None  # the packed batch the region holds, while nothing else has written it
+
+    def load(self, staged: StagedMetadata) -> bool:
+        """Copy a packed batch's metadata in (asynchronously), unless the region holds it already (a packed batch is
+        never written again: the same object, the same bytes). True when it copied."""
+        if self.loaded is staged:
+            return False
+        for dst, src, size in staged.runs:
+            self.flat[dst:dst + size].copy_(staged.host[src:src + size], non_blocking=True)
+        self.loaded = staged
+        return True
 
 
 @dataclass(frozen=True)

@@ -248,9 +248,26 @@ def test_recurring_batches_reuse_their_packed_metadata_within_a_bound(runner, mo
     assert all(torch.equal(x, y) for x, y in zip(first, (out.embeds for out in runner.encode(a))))
 
 
-def test_a_small_batch_uploads_its_own_metadata_not_the_largest_capacity_span(runner, monkeypatch):
-    """The static metadata buffers are sized for the largest budget: a small batch's arrays lie far apart
-    in them and are copied where they lie, not with the span between them (here every gap is "far")."""
+def test_a_batch_uploads_its_metadata_in_one_copy_into_its_budgets_own_buffers(runner):
+    """Each budget's graphs read metadata buffers of their own, as long as that budget needs: a small batch's
+    arrays lie side by side there, one copy (each copy the device waits for delays a lone batch)."""
+    m = runner.tower.merge
+    items = make_items(runner.tower, [(1, 2 * m, 2 * m), (1, 2 * m, 4 * m)], 3)
+    (batch,) = runner.pack_items(items)
+    pool = runner.pool
+    g = pool.graphs[batch.key]
+    region = pool._regions[g.capacity.patches]
+    largest = pool._regions[max(pool._regions)]
+    assert batch.key.budget < runner.plan.max_budget and region.flat.numel() < largest.flat.numel()
+    staged = pool._staged_metadata(batch.key, [it.grid_thw for it in items], g)
+    assert len(staged.runs) == 1
+
+
+def test_metadata_runs_land_at_their_buffers_offsets_and_recurring_batches_are_not_uploaded_again(
+        runner, monkeypatch):
+    """Arrays further apart than META_GAP_BYTES get a copy each (here every gap is "far"), at their own offsets;
+    the region then holds that batch, and the same batch again copies nothing; anything else written there (a
+    capture's empty batch, another batch's layout) makes the next one upload."""
     from graphs import pool as graph_pool
 
     monkeypatch.setattr(graph_pool, "META_GAP_BYTES", 1)
@@ -259,20 +276,27 @@ def test_a_small_batch_uploads_its_own_metadata_not_the_largest_capacity_span(ru
     (batch,) = runner.pack_items(items)
     pool = runner.pool
     g = pool.graphs[batch.key]
+    region = pool._regions[g.capacity.patches]
     grids = [it.grid_thw for it in items]
     meta = runner.tower.build_metadata(grids, g.capacity)
-    staged = pool._pack_metadata(meta, g.inputs)
-    span = max(pool._meta_offsets[n] + a.nbytes for n, a in meta.items())
-    assert staged.nbytes == sum(size for _, _, size in staged.runs) < span and len(staged.runs) > 1
+    staged = pool._pack_metadata(meta, g.inputs, region)
+    assert staged.nbytes == sum(size for _, _, size in staged.runs) and len(staged.runs) > 1
     for name, arr in meta.items():  # every array inside exactly one run, at its own offset
-        start = pool._meta_offsets[name]
+        start = region.offsets[name]
         (dst, src, size), = [r for r in staged.runs if r[0] <= start < r[0] + r[2]]
         assert start + arr.nbytes <= dst + size
         host = staged.host.numpy()[src + start - dst:src + start - dst + arr.nbytes]
         assert host.tobytes() == np.ascontiguousarray(arr).tobytes()
-    pool.replay(batch.key, np.concatenate([it.pixels for it in items]), grids)
+    pool._meta_cache.clear()
+    first = runner.encode(items)[0].embeds
     for name, arr in meta.items():  # what the graph reads
         assert np.array_equal(g.inputs[name].numpy(), arr)
+    assert region.loaded is pool._staged_metadata(batch.key, grids, g)
+    assert not region.load(region.loaded)  # held: no copy
+    assert torch.equal(runner.encode(items)[0].embeds, first)
+    pool._input_views(g.capacity)  # a capture writes an empty batch there
+    assert region.loaded is None
+    assert torch.equal(runner.encode(items)[0].embeds, first)
 
 
 def test_small_then_large_then_small(runner):
@@ -568,11 +592,11 @@ def test_a_key_the_shared_buffers_cannot_hold_is_refused_not_reallocated():
     tower = load_tower("tiny-qwen2-vl", device="cpu", dtype="float32")
     runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256), modalities=("image",))
     runner.capture()
-    pixels = runner.pool._buffers["pixels"]
+    pixels = runner.pool._pixels
     too_big = GraphKey("image", 512, 64)
     failures = runner.pool.capture_more([too_big])
     assert "pixels" in failures[too_big] and too_big not in runner.pool.graphs
-    assert runner.pool._buffers["pixels"] is pixels
+    assert runner.pool._pixels is pixels
 
 
 def test_a_budget_whose_timing_ran_eagerly_gets_no_replay_price():
