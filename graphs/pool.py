@@ -38,7 +38,7 @@ log = logging.getLogger("vitserve.graphs")
 class CapturedGraph:
     key: GraphKey
     capacity: Capacity
-    inputs: dict[str, torch.Tensor]  # static views into the shared input buffers
+    inputs: dict[str, torch.Tensor]  # static views: the shared pixel buffer, its budget's metadata region
     output: torch.Tensor  # static joined output rows (outside the pool, overwritten by later replays)
     graph: torch.cuda.CUDAGraph | None  # None on the CPU backend
 
