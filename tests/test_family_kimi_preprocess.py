@@ -122,7 +122,7 @@ def test_muse_image_sizing_and_layout_equal_its_processor(size):
     rgb = picture(*size, seed=1)
     item = preprocess_image_bytes(png(rgb), tower.processor)
     h, w = MUSE_IMAGE.smart_resize(size[0], size[1], patch_size=28, max_tokens=tower.processor.max_pixels // 784)
-    resized = np.asarray(Image.fromarray(rgb).resize((w, h), Image.Resampling.LANCZOS))
+    resized = np.array(Image.fromarray(rgb).resize((w, h), Image.Resampling.LANCZOS))  # writable, as torch wants
     frame = normalised(torch.from_numpy(resized).permute(2, 0, 1))[None]
     patches, gh, gw = MUSE_IMAGE.MuseGlimmerImageProcessor.patchify(None, frame, 14, 2)
     assert item.grid_thw == (1, gh, gw) == (1, h // 14, w // 14)
