@@ -248,15 +248,20 @@ def test_recurring_batches_reuse_their_packed_metadata_within_a_bound(runner, mo
     assert all(torch.equal(x, y) for x, y in zip(first, (out.embeds for out in runner.encode(a))))
 
 
-def test_a_batch_uploads_its_metadata_in_one_copy_into_its_budgets_own_buffers(runner):
-    """Each budget's graphs read metadata buffers of their own, as long as that budget needs: a small batch's
-    arrays lie side by side there, one copy (each copy the device waits for delays a lone batch)."""
+def small_batch(runner):
+    """Two small images in one batch: (items, batch, its graph, its metadata region)."""
     m = runner.tower.merge
     items = make_items(runner.tower, [(1, 2 * m, 2 * m), (1, 2 * m, 4 * m)], 3)
     (batch,) = runner.pack_items(items)
+    g = runner.pool.graphs[batch.key]
+    return items, batch, g, runner.pool._regions[g.capacity.patches]
+
+
+def test_a_batch_uploads_its_metadata_in_one_copy_into_its_budgets_own_buffers(runner):
+    """Each budget's graphs read metadata buffers of their own, as long as that budget needs: a small batch's
+    arrays lie side by side there, one copy (each copy the device waits for delays a lone batch)."""
+    items, batch, g, region = small_batch(runner)
     pool = runner.pool
-    g = pool.graphs[batch.key]
-    region = pool._regions[g.capacity.patches]
     largest = pool._regions[max(pool._regions)]
     assert batch.key.budget < runner.plan.max_budget and region.flat.numel() < largest.flat.numel()
     staged = pool._staged_metadata(batch.key, [it.grid_thw for it in items], g)
@@ -266,17 +271,14 @@ def test_a_batch_uploads_its_metadata_in_one_copy_into_its_budgets_own_buffers(r
 def test_metadata_runs_land_at_their_buffers_offsets_and_recurring_batches_are_not_uploaded_again(
         runner, monkeypatch):
     """Arrays further apart than META_GAP_BYTES get a copy each (here every gap is "far"), at their own offsets;
-    the region then holds that batch, and the same batch again copies nothing; anything else written there (a
-    capture's empty batch, another batch's layout) makes the next one upload."""
+    the region then holds that batch, and the same batch again copies nothing; a capture's empty batch written
+    there makes the next one upload (another batch's layout does too:
+    test_equal_tokens_different_boundaries_share_a_graph_and_stay_right)."""
     from graphs import pool as graph_pool
 
     monkeypatch.setattr(graph_pool, "META_GAP_BYTES", 1)
-    m = runner.tower.merge
-    items = make_items(runner.tower, [(1, 2 * m, 2 * m), (1, 2 * m, 4 * m)], 3)
-    (batch,) = runner.pack_items(items)
+    items, batch, g, region = small_batch(runner)
     pool = runner.pool
-    g = pool.graphs[batch.key]
-    region = pool._regions[g.capacity.patches]
     grids = [it.grid_thw for it in items]
     meta = runner.tower.build_metadata(grids, g.capacity)
     staged = pool._pack_metadata(meta, g.inputs, region)
