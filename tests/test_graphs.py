@@ -14,6 +14,8 @@ from graphs.learning import learn_budget
 from graphs.packing import CostModel, PackItem, pack
 from graphs.runner import GraphRunner, plan_for
 from models import VisualInput, load_tower
+from models.families import FAMILIES
+from models.presets import PRESETS
 from models.protocol import Geometry
 
 CPU = torch.device("cpu")
@@ -625,3 +627,27 @@ def test_a_budget_whose_timing_ran_eagerly_gets_no_replay_price():
     assert [b for b, _ in runner.cost.replays] == [64, 128, 256]
     assert runner.replay_cost(196) is None  # no graph of that budget
     assert learn_budget(runner, 196).ok and 196 in dict(runner.cost.replays)
+
+
+@pytest.mark.parametrize("preset", [name for name in PRESETS if name.startswith("tiny-")])
+def test_no_tower_writes_the_metadata_its_graphs_read(preset):
+    """A budget's metadata is not uploaded again while its buffers hold that batch, so no forward may write the
+    metadata it reads: every tiny preset's batch, run twice through one graph, leaves them as uploaded and gives the
+    same rows (videos too where the family takes them)."""
+    tower = load_tower(preset, device="cpu", dtype="float32")
+    video = FAMILIES[tower.family].video
+    runner = GraphRunner(tower, CPU, plan_for(tower, max_batch_tokens=256),
+                         modalities=("image", "video") if video else ("image",))
+    runner.capture()
+    m = tower.merge
+    for modality, t in [("image", 1), *([("video", 2)] if video else [])]:
+        items = make_items(tower, [(t, 2 * m, 2 * m), (t, 2 * m, 4 * m)], 5, modality)
+        (batch,) = runner.pack_items(items)
+        g = runner.pool.graphs[batch.key]
+        uploaded = tower.build_metadata([it.grid_thw for it in items], g.capacity)
+        first = runner.run(batch, items).clone()
+        staged = runner.pool._regions[g.capacity.patches].loaded
+        again = runner.run(batch, items)
+        assert runner.pool._regions[g.capacity.patches].loaded is staged  # not uploaded again
+        assert all(np.array_equal(g.inputs[name].numpy(), arr) for name, arr in uploaded.items())
+        assert torch.equal(again, first)
