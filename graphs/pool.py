@@ -138,14 +138,9 @@ class GraphPool:
                 failures[key] = why
             elif key not in self.graphs:
                 fitting.append(key)
-        new_regions = {}  # a budget new to the pool gets metadata buffers of its own; live graphs read none of them
-        for key in fitting:
-            if self.plan.capacity(key).patches not in self._regions:
-                new_regions.setdefault(self.plan.capacity(key).patches, []).append(self.plan.capacity(key))
         reserved_before = torch.cuda.memory_reserved(self.device) if is_cuda else 0
         start = time.perf_counter()
-        for caps in new_regions.values():
-            self._add_region(caps)
+        self._add_regions([self.plan.capacity(key) for key in fitting])  # live graphs read none of the new ones
         failures.update(self._capture_keys(fitting))
         if is_cuda:
             torch.cuda.synchronize(self.device)
@@ -208,30 +203,30 @@ class GraphPool:
         """The pixel buffer, as long as the longest capacity needs, and the metadata regions, before any capture."""
         patches = max((cap.patches for cap in caps), default=0)
         self._pixels = torch.zeros((patches, self.tower.processor.patch_dim), dtype=torch.uint8, device=self.device)
-        by_patches: dict[int, list[Capacity]] = {}
-        for cap in caps:
-            by_patches.setdefault(cap.patches, []).append(cap)
         self._regions.clear()
-        for group in by_patches.values():
-            self._add_region(group)
+        self._add_regions(caps)
 
-    def _add_region(self, caps: list[Capacity]) -> None:
-        """The metadata buffers of capacities of one patch count: each as long as the longest of them needs,
-        back to back in one device allocation."""
-        longest: dict[str, np.ndarray] = {}
+    def _add_regions(self, caps: list[Capacity]) -> None:
+        """A metadata region for each patch count of `caps` the pool has none for: each buffer as long as the longest
+        of those capacities needs, back to back in one device allocation."""
+        longest: dict[int, dict[str, np.ndarray]] = {}
         for cap in caps:
+            if cap.patches in self._regions:
+                continue
+            group = longest.setdefault(cap.patches, {})
             for name, arr in self.tower.build_metadata([], cap).items():
-                if name not in longest or arr.shape[0] > longest[name].shape[0]:
-                    longest[name] = arr
-        offsets, size = {}, 0
-        for name, arr in longest.items():
-            offsets[name] = size
-            self._meta_dtypes[name] = arr.dtype
-            size += -(-arr.nbytes // META_ALIGN) * META_ALIGN
-        flat = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        buffers = {name: flat[offsets[name]:offsets[name] + arr.nbytes].view(torch.from_numpy(arr).dtype)
-                   .view(arr.shape) for name, arr in longest.items()}
-        self._regions[caps[0].patches] = MetadataRegion(flat, offsets, buffers)
+                if name not in group or arr.shape[0] > group[name].shape[0]:
+                    group[name] = arr
+        for patches, group in longest.items():
+            offsets, size = {}, 0
+            for name, arr in group.items():
+                offsets[name] = size
+                self._meta_dtypes[name] = arr.dtype
+                size += -(-arr.nbytes // META_ALIGN) * META_ALIGN
+            flat = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            buffers = {name: flat[offsets[name]:offsets[name] + arr.nbytes].view(torch.from_numpy(arr).dtype)
+                       .view(arr.shape) for name, arr in group.items()}
+            self._regions[patches] = MetadataRegion(flat, offsets, buffers)
 
     def _allocate_outputs(self, tokens: int) -> None:
         """Every graph writes its result here, outside the graph memory pool, so no graph output
